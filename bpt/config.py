@@ -1,0 +1,40 @@
+"""Block and chunk sizes for the blockwise computations, validated in one place."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BPTConfig:
+    """Sizes (in tokens) of the blocks the patched model works in.
+
+    q_block / kv_block: query and key/value block of blockwise attention.
+    mlp_chunk: tokens of one sequence chunk run through the whole MLP at a time.
+    loss_chunk: tokens whose logits exist at one time in the LM head + cross entropy.
+    compile: torch.compile the per-block functions; None means "where it was measured
+        to help" (CUDA tensors), True forces it, False turns it off.
+    """
+
+    q_block: int = 1024
+    kv_block: int = 1024
+    mlp_chunk: int = 2048
+    loss_chunk: int = 1024
+    compile: bool | None = None
+
+    def __post_init__(self):
+        for field in ("q_block", "kv_block", "mlp_chunk", "loss_chunk"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"BPT option {field} must be a positive integer number of tokens, got {value!r}")
+        if self.compile not in (None, True, False):
+            raise ValueError(f"BPT option compile must be True, False or None (auto), got {self.compile!r}")
+
+    @classmethod
+    def from_options(cls, **options) -> "BPTConfig":
+        """Build from keyword options, rejecting unknown names with the list of valid ones."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"unknown BPT option(s) {unknown}; valid options are {names}")
+        return cls(**options)

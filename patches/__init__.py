@@ -1,0 +1,6 @@
+"""Everything that touches transformers: the family table, the attention/mask adapters and
+`apply_bpt_patch`."""
+from patches.apply import BPTPatchHandle, apply_bpt_patch, check_supported, is_patched
+from patches.families import FAMILIES, UnsupportedModelError
+
+__all__ = ["apply_bpt_patch", "is_patched", "check_supported", "BPTPatchHandle", "UnsupportedModelError", "FAMILIES"]

@@ -1,0 +1,162 @@
+"""`apply_bpt_patch`: swap a transformers model's attention, MLP and LM-head/loss for blockwise ones.
+
+Every change is recorded on a handle as an undo step, so `handle.remove()` restores exactly the
+stock model (the same bound methods, the same attention implementation).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers import PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from bpt.config import BPTConfig
+from bpt.mlp import chunked_mlp
+from patches.attention import ATTN_IMPLEMENTATION, CONFIG_ATTR, bpt_attention_forward
+from patches.bound_attention import BINDERS
+from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
+from patches.lm_head import causal_lm_forward
+from patches.masks import bpt_mask
+
+_HANDLE_ATTR = "_bpt_patch_handle"
+
+# Registering a name is global and harmless; a model uses it only once its config names it.
+AttentionInterface.register(ATTN_IMPLEMENTATION, bpt_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, bpt_mask)
+assert ATTN_IMPLEMENTATION in ALL_ATTENTION_FUNCTIONS and ATTN_IMPLEMENTATION in ALL_MASK_ATTENTION_FUNCTIONS
+
+
+class BPTPatchHandle:
+    """Undo log of one `apply_bpt_patch` call. Use `remove()` (or `with apply_bpt_patch(...):`)."""
+
+    def __init__(self, options: BPTConfig):
+        self.options = options
+        self._undo: list = []
+
+    def set(self, obj, name: str, value):
+        """setattr that remembers whether `obj` had its own attribute and what it was."""
+        if name in vars(obj):  # the raw entry: a classmethod stays a classmethod
+            had_own, old = True, vars(obj)[name]
+        elif isinstance(getattr(type(obj), name, None), property):  # e.g. a config's _attn_implementation
+            had_own, old = True, getattr(obj, name)
+        else:
+            had_own, old = False, None
+        setattr(obj, name, value)
+
+        def undo():
+            if had_own:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+
+        self._undo.append(undo)
+
+    def remove(self):
+        while self._undo:
+            self._undo.pop()()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+def unwrap(model):
+    """The transformers model inside peft wrappers (PeftModel -> LoraModel -> model)."""
+    for _ in range(4):
+        if isinstance(model, PreTrainedModel):
+            return model
+        if hasattr(model, "get_base_model"):  # peft.PeftModel
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "model", None), torch.nn.Module):  # peft tuner (LoraModel)
+            model = model.model
+        else:
+            break
+    raise TypeError(f"apply_bpt_patch expects a transformers PreTrainedModel (or a peft wrapper of one), "
+                    f"got {type(model).__name__}")
+
+
+def is_patched(model) -> bool:
+    return _HANDLE_ATTR in vars(unwrap(model))
+
+
+def check_supported(config) -> Family:
+    """Raise UnsupportedModelError before any compute if the patch cannot reproduce this model."""
+    family = family_of(config)
+    if getattr(config, "output_router_logits", False):
+        raise UnsupportedModelError("output_router_logits=True (MoE auxiliary loss) is not supported patched; "
+                                    "set it to False or train unpatched")
+    return family
+
+
+def apply_bpt_patch(model=None, **options) -> BPTPatchHandle:
+    """Patch `model` (a transformers causal LM, plain, peft-wrapped or quantised) in place, or, with no
+    model, every supported causal LM loaded afterwards through `from_pretrained` / `from_config`.
+
+    Options: q_block, kv_block, mlp_chunk, loss_chunk (tokens), compile (None = auto). With labels
+    the patched model returns the loss and `logits=None`: full logits are never materialised.
+    """
+    config = BPTConfig.from_options(**options)
+    if model is None:
+        return _patch_models_loaded_later(config)
+    hf_model = unwrap(model)
+    if is_patched(hf_model):
+        raise ValueError("this model is already patched; call remove() on its handle before patching again")
+    family = check_supported(hf_model.config)
+    handle = BPTPatchHandle(config)
+    base = getattr(hf_model, family.base)
+    for layer in getattr(base, family.layers):
+        attention = getattr(layer, family.attention)
+        handle.set(attention, CONFIG_ATTR, config)
+        if family.bound_attention:
+            handle.set(attention, "forward", BINDERS[family.bound_attention](attention))
+        mlp = getattr(layer, family.mlp)
+        handle.set(mlp, "forward", _chunked_mlp_forward(mlp, mlp.forward, config.mlp_chunk))
+    handle.set(hf_model.config, "_attn_implementation", ATTN_IMPLEMENTATION)
+    handle.set(hf_model, "forward", causal_lm_forward(hf_model, hf_model.forward, family, config))
+    handle.set(hf_model, _HANDLE_ATTR, handle)
+    return handle
+
+
+def _chunked_mlp_forward(module, original, chunk: int):
+    def forward(*inputs):
+        hidden = inputs[0]  # [B, N, H]
+        if hidden.dim() < 3 or hidden.shape[1] <= chunk:
+            return original(*inputs)
+        # Parameters are read at call time: LoRA layers added after patching are included.
+        return chunked_mlp(original, list(module.parameters()), *inputs, chunk=chunk)
+
+    return forward
+
+
+def _patch_models_loaded_later(config: BPTConfig) -> BPTPatchHandle:
+    """Wrap PreTrainedModel.from_pretrained / _from_config so each causal LM they return is patched."""
+    handle = BPTPatchHandle(config)
+    model_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def patch_loaded(model):
+        family = FAMILIES.get(getattr(model.config, "model_type", None))
+        if family is not None and hasattr(model, family.head) and hasattr(model, family.base):
+            model_handles[model] = apply_bpt_patch(model, **vars(config))
+        elif family is None and any(word in type(model).__name__ for word in ("CausalLM", "LMHead")):
+            family_of(model.config)  # raises UnsupportedModelError naming the supported families
+        return model  # anything else (encoders, base models) is left alone
+
+    for name in ("from_pretrained", "_from_config"):
+        loader = vars(PreTrainedModel)[name].__func__
+
+        def patched_loader(cls, *args, __loader=loader, **kwargs):
+            return patch_loaded(__loader(cls, *args, **kwargs))
+
+        handle.set(PreTrainedModel, name, classmethod(patched_loader))
+
+    def remove_model_patches():
+        for model_handle in list(model_handles.values()):
+            model_handle.remove()
+
+    handle._undo.insert(0, remove_model_patches)  # runs last: after the loaders are restored
+    return handle
+

@@ -1,0 +1,63 @@
+"""Blockwise attention behind transformers' AttentionInterface, registered as "bpt"."""
+from __future__ import annotations
+
+import torch
+
+from bpt.attention import blockwise_attention
+from bpt.config import BPTConfig
+from patches.masks import BlockMaskInputs
+
+ATTN_IMPLEMENTATION = "bpt"
+CONFIG_ATTR = "bpt_config"  # set on each patched attention module by apply_bpt_patch
+
+
+def attention_options(module: torch.nn.Module, dropout: float) -> BPTConfig:
+    """The module's BPT config; refuses what blockwise attention cannot reproduce."""
+    if dropout:
+        raise NotImplementedError(
+            f"attention dropout ({dropout}) is not supported by blockwise attention; set the model's "
+            "attention dropout to 0 (usual for fine-tuning) before training it patched"
+        )
+    return getattr(module, CONFIG_ATTR, None) or BPTConfig()
+
+
+def mask_inputs(attention_mask) -> BlockMaskInputs:
+    if attention_mask is None:  # a caller that skipped mask creation: plain causal
+        return BlockMaskInputs(None, None, None, 0, 0)
+    if not isinstance(attention_mask, BlockMaskInputs):
+        raise TypeError(
+            f"blockwise attention got a {type(attention_mask).__name__} mask; patched models build their own "
+            "O(N) mask from a 2-D attention_mask: pass a 2-D padding mask (or none), not a 4-D mask"
+        )
+    return attention_mask
+
+
+def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, softcap=None,
+                  alibi_slopes=None) -> torch.Tensor:
+    """query [B, Hq, Nq, D], key/value [B, Hkv, Nk, D] -> [B, Hq, Nq, D]."""
+    options = attention_options(module, dropout)
+    mask = mask_inputs(attention_mask)
+    return blockwise_attention(
+        query, key, value,
+        scale=scaling,
+        causal=getattr(module, "is_causal", True),
+        padding_mask=mask.padding_mask,
+        segment_ids=mask.segment_ids,
+        sliding_window=mask.sliding_window,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        q_block=options.q_block,
+        kv_block=options.kv_block,
+        compile=options.compile,
+    )
+
+
+def bpt_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                          **_kwargs):
+    """AttentionInterface entry, same contract as transformers' sdpa_attention_forward.
+
+    The window comes from the mask inputs (built by transformers per layer type), not the
+    `sliding_window` kwarg, so layers that transformers treats as full attention stay full.
+    """
+    out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap)
+    return out.transpose(1, 2).contiguous(), None  # [B, Nq, Hq, D], no attention weights

@@ -1,0 +1,76 @@
+"""Attention forwards bound onto module instances, for families whose attention (ALiBi) lives
+inside their own forward instead of going through AttentionInterface (Bloom, Falcon).
+
+Each binder returns the replacement forward for one attention module; apply.py records the
+binding so remove() restores the module's own forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+from transformers.models.bloom.modeling_bloom import _get_alibi_slopes as alibi_slopes  # Falcon uses the same
+
+from patches.attention import run_blockwise
+
+
+def _merge_heads(out: torch.Tensor) -> torch.Tensor:
+    batch, heads, length, head_dim = out.shape  # [B, H, N, D] -> [B, N, H*D]
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+def bloom_forward(module):
+    def forward(hidden_states, residual, alibi, attention_mask, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        if module.pretraining_tp > 1 and module.slow_but_exact:
+            raise NotImplementedError("Bloom's slow_but_exact tensor-parallel path is not supported patched")
+        query, key, value = module._reshape(module.query_key_value(hidden_states))  # 3 x [B, H, N, D]
+        if layer_past is not None:
+            key, value = layer_past.update(key, value, module.layer_idx)
+        # Bloom adds slope * key_position (a per-row constant away from slope * (j - i)): same softmax.
+        slopes = alibi_slopes(module.num_heads, query.device)
+        dropout = module.attention_dropout.p if module.training else 0.0
+        out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout,
+                            scaling=module.inv_norm_factor, alibi_slopes=slopes)
+        output = module.dense(_merge_heads(out))
+        return F.dropout(output, p=module.hidden_dropout, training=module.training) + residual, None
+
+    return forward
+
+
+def falcon_forward(module):
+    from transformers.models.falcon.modeling_falcon import apply_rotary_pos_emb
+
+    def forward(hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
+                output_attentions=False, position_embeddings=None, **kwargs):
+        query, key, value = _falcon_split(module, module.query_key_value(hidden_states))  # [B, H*, N, D]
+        if alibi is None:
+            cos, sin = position_embeddings
+            query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if layer_past is not None:
+            key, value = layer_past.update(key, value, module.layer_idx)
+        slopes = None
+        if alibi is not None:
+            # Falcon scales (scores + alibi) by 1/sqrt(d) and rounds its slopes to bf16.
+            slopes = alibi_slopes(module.num_heads, query.device).bfloat16().float() * module.inv_norm_factor
+        dropout = module.attention_dropout.p if (module.training and alibi is not None) else 0.0
+        out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout,
+                            scaling=module.inv_norm_factor, alibi_slopes=slopes)
+        return module.dense(_merge_heads(out)), None
+
+    return forward
+
+
+def _falcon_split(module, fused_qkv: torch.Tensor):
+    """Falcon's fused projection -> q [B, H, N, D], k/v [B, Hkv, N, D], without repeating K/V."""
+    batch, length, _ = fused_qkv.shape
+    if module.new_decoder_architecture:
+        # [B, N, Hkv, group + 2, D]: each KV head followed by its group of query heads' K and V
+        qkv = fused_qkv.view(batch, length, -1, module.num_heads // module.num_kv_heads + 2, module.head_dim)
+        query = qkv[:, :, :, :-2].flatten(2, 3)
+        key, value = qkv[:, :, :, -2], qkv[:, :, :, -1]
+    else:
+        query, key, value = module._split_heads(fused_qkv)  # [B, N, H or 1, D]
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
+BINDERS = {"bloom": bloom_forward, "falcon": falcon_forward}

@@ -1,0 +1,69 @@
+"""The CausalLM forward with labels: loss from the chunked LM head, logits never materialised."""
+from __future__ import annotations
+
+import functools
+import inspect
+
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from bpt.config import BPTConfig
+from bpt.loss import chunked_lm_loss
+from patches.families import Family
+
+
+def causal_lm_forward(model, original, family: Family, options: BPTConfig):
+    """Replacement for `model.forward`. Without labels it is the stock forward (logits as usual);
+    with labels it runs the base model and the chunked LM head + cross entropy, returning
+    `loss` with `logits=None`."""
+    signature = inspect.signature(original)
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    softcap = getattr(model.config, family.logit_softcap, None) if family.logit_softcap else None
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        arguments = dict(signature.bind(*args, **kwargs).arguments)
+        extra = arguments.pop(var_keyword, {}) if var_keyword else {}
+        labels = arguments.pop("labels", None)
+        _check_positions(model, family, arguments)
+        if labels is None and extra.get("shift_labels") is None:
+            return original(*args, **kwargs)
+        if arguments.get("output_router_logits") or getattr(model.config, "output_router_logits", False):
+            raise NotImplementedError("the MoE router auxiliary loss is not computed by the patched loss; "
+                                      "set output_router_logits=False or train unpatched")
+        arguments.pop("logits_to_keep", None)
+        arguments.pop("return_dict", None)
+        outputs = getattr(model, family.base)(**arguments, **extra)
+        loss = chunked_lm_loss(
+            outputs.last_hidden_state, getattr(model, family.head), labels,
+            chunk=options.loss_chunk,
+            num_items_in_batch=extra.get("num_items_in_batch"),
+            shift_labels=extra.get("shift_labels"),
+            logit_softcap=softcap,
+            compile=options.compile,
+        )
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            past_key_values=getattr(outputs, "past_key_values", None),
+            hidden_states=getattr(outputs, "hidden_states", None),
+            attentions=getattr(outputs, "attentions", None),
+        )
+
+    return forward
+
+
+def _check_positions(model, family: Family, arguments: dict):
+    """Learned absolute positions cannot go past their table: say so instead of an IndexError."""
+    if not family.learned_positions:
+        return
+    limit = getattr(model.config, family.learned_positions)
+    tokens = arguments.get("input_ids")
+    if tokens is None:
+        tokens = arguments.get("inputs_embeds")
+    if tokens is None:
+        return
+    cache = arguments.get("past_key_values")
+    length = tokens.shape[1] + (cache.get_seq_length() if cache is not None else 0)
+    if length > limit:
+        raise ValueError(f"{length} tokens exceed this model's {limit} learned positions "
+                         f"(config.{family.learned_positions}); use at most {limit} tokens per sequence")

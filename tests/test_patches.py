@@ -1,0 +1,235 @@
+"""Each supported family, patched vs stock transformers: loss, logits and every gradient (fp32)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, OPTConfig
+
+from patches import FAMILIES, UnsupportedModelError, apply_bpt_patch, is_patched
+from patches.masks import BlockMaskInputs
+from tiny_models import TINY_CONFIGS, VOCAB, tiny_config, tiny_model
+
+# Small blocks so that every op really runs blockwise on a 45-token sequence.
+SMALL_BLOCKS = dict(q_block=16, kv_block=16, mlp_chunk=16, loss_chunk=16)
+LENGTH = 45
+
+
+def make_batch(kind: str, batch: int = 2, length: int = LENGTH, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    labels = input_ids.clone()
+    labels[:, :5] = -100
+    inputs = {"input_ids": input_ids, "labels": labels}
+    if kind == "right_padded":
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[0, -9:] = 0
+        labels[mask == 0] = -100
+        inputs["attention_mask"] = mask
+    elif kind == "packed":  # three documents in each row: positions restart
+        inputs["position_ids"] = torch.cat([torch.arange(17), torch.arange(20), torch.arange(length - 37)]).repeat(batch, 1)
+    return inputs
+
+
+def loss_and_grads(model, inputs):
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_grads_close(stock: dict, patched: dict):
+    assert stock.keys() == patched.keys()
+    for name, expected in stock.items():
+        scale = expected.abs().max().clamp_min(1e-12)
+        err = (patched[name] - expected).abs().max() / scale
+        assert err < 1e-4, f"gradient of {name} differs by {err:.2e} of its largest magnitude"
+
+
+def test_every_family_has_a_test_config():
+    """Registry sync: each table row is exercised by at least one tiny config, and vice versa."""
+    tested = {model_type for model_type, _ in TINY_CONFIGS.values()}
+    assert tested == set(FAMILIES)
+
+
+@pytest.mark.parametrize("kind", ["plain", "right_padded", "packed"])
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_patched_matches_stock(name, kind):
+    stock = tiny_model(name)
+    patched = copy.deepcopy(stock)
+    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    inputs = make_batch(kind)
+    stock_loss, stock_grads = loss_and_grads(stock, inputs)
+    patched_loss, patched_grads = loss_and_grads(patched, inputs)
+    assert torch.isfinite(stock_loss)
+    assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
+    assert_grads_close(stock_grads, patched_grads)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bloom", "falcon_alibi", "gemma2"])
+def test_logits_without_labels_match_stock(name):
+    stock = tiny_model(name).eval()
+    patched = copy.deepcopy(stock)
+    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    inputs = make_batch("right_padded")
+    inputs.pop("labels")
+    with torch.no_grad():
+        expected = stock(**inputs).logits
+        got = patched(**inputs).logits
+    valid = inputs["attention_mask"].bool()
+    torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_labels_give_loss_without_logits():
+    model = tiny_model("llama")
+    apply_bpt_patch(model, **SMALL_BLOCKS)
+    out = model(**make_batch("plain"))
+    assert out.logits is None and out.loss is not None
+
+
+def test_gradient_checkpointing_matches_stock():
+    stock = tiny_model("llama")
+    patched = copy.deepcopy(stock)
+    for model in (stock, patched):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    inputs = make_batch("packed")
+    stock_loss, stock_grads = loss_and_grads(stock, inputs)
+    patched_loss, patched_grads = loss_and_grads(patched, inputs)
+    assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
+    assert_grads_close(stock_grads, patched_grads)
+
+
+def test_causality_kept():
+    """A custom attention name without a mask entry would get mask None and lose causality."""
+    model = tiny_model("llama").eval()
+    apply_bpt_patch(model, **SMALL_BLOCKS)
+    inputs = make_batch("plain")
+    changed = inputs["input_ids"].clone()
+    changed[:, 30:] = (changed[:, 30:] + 1) % VOCAB
+    with torch.no_grad():
+        before = model(input_ids=inputs["input_ids"]).logits
+        after = model(input_ids=changed).logits
+    torch.testing.assert_close(before[:, :30], after[:, :30], rtol=0, atol=0)
+    assert not torch.allclose(before[:, 30:], after[:, 30:])
+
+
+def test_mask_is_o_n():
+    """The patched model's mask creation returns O(N) inputs, never an N x N tensor."""
+    from transformers.masking_utils import create_causal_mask
+
+    model = tiny_model("llama")
+    apply_bpt_patch(model)
+    embeds = torch.zeros(2, LENGTH, 32)
+    mask = create_causal_mask(model.config, embeds, torch.ones(2, LENGTH, dtype=torch.long), None,
+                              position_ids=torch.arange(LENGTH)[None])
+    assert isinstance(mask, BlockMaskInputs)
+    packed = create_causal_mask(model.config, embeds, None, None, position_ids=make_batch("packed")["position_ids"])
+    assert packed.segment_ids.tolist()[0] == [0] * 17 + [1] * 20 + [2] * 8
+
+
+@pytest.mark.parametrize("name", ["llama", "bloom", "falcon_alibi"])
+def test_remove_restores_bit_identical_outputs(name):
+    model = tiny_model(name).eval()
+    inputs = make_batch("right_padded")
+    with torch.no_grad():
+        before = model(**inputs)
+    implementation = model.config._attn_implementation
+    handle = apply_bpt_patch(model, **SMALL_BLOCKS)
+    assert is_patched(model) and model.config._attn_implementation == "bpt"
+    handle.remove()
+    assert not is_patched(model) and model.config._attn_implementation == implementation
+    assert "forward" not in vars(model)
+    with torch.no_grad():
+        after = model(**inputs)
+    assert torch.equal(before.logits, after.logits) and torch.equal(before.loss, after.loss)
+
+
+def test_generate_matches_stock():
+    """KV-cache decoding (queries aligned to the end of the keys) gives the stock greedy tokens."""
+    stock = tiny_model("mistral").eval()
+    patched = copy.deepcopy(stock)
+    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    prompt = make_batch("plain", batch=1)["input_ids"][:, :20]
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(stock.generate(prompt, **kwargs), patched.generate(prompt, **kwargs))
+
+
+def test_unsupported_family_is_refused():
+    model = AutoModelForCausalLM.from_config(OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                                       ffn_dim=48, num_attention_heads=4, word_embed_proj_dim=32))
+    with pytest.raises(UnsupportedModelError, match="supported families: bloom, falcon"):
+        apply_bpt_patch(model)
+    assert not is_patched(model)
+
+
+def test_bad_options_are_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="q_block"):
+        apply_bpt_patch(model, q_block=0)
+    with pytest.raises(TypeError, match="valid options"):
+        apply_bpt_patch(model, block=64)
+    assert not is_patched(model)
+
+
+def test_patch_models_loaded_later(tmp_path):
+    tiny_model("qwen2").save_pretrained(tmp_path)
+    handle = apply_bpt_patch(**SMALL_BLOCKS)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+        built = AutoModelForCausalLM.from_config(tiny_config("gpt2"))
+        assert is_patched(loaded) and is_patched(built)
+    finally:
+        handle.remove()
+    assert not is_patched(loaded) and not is_patched(built)
+    assert not is_patched(AutoModelForCausalLM.from_pretrained(tmp_path))
+
+
+def lora(model, seed=0):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                        target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    return get_peft_model(model, config)
+
+
+def test_lora_matches_stock():
+    stock = lora(tiny_model("llama"))
+    patched = copy.deepcopy(stock)
+    handle = apply_bpt_patch(patched, **SMALL_BLOCKS)  # patching through the peft wrapper
+    assert is_patched(patched)
+    inputs = make_batch("packed")
+    stock_loss, stock_grads = loss_and_grads(stock, inputs)
+    patched_loss, patched_grads = loss_and_grads(patched, inputs)
+    assert stock_grads and all("lora_" in name for name in stock_grads)
+    assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
+    assert_grads_close(stock_grads, patched_grads)
+    handle.remove()
+    assert not is_patched(patched)
+
+
+def test_4bit_qlora_matches_stock(tmp_path):
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    tiny_model("llama", hidden_size=64, intermediate_size=128).save_pretrained(tmp_path)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.float32)
+
+    def load():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization)
+        # train mode, as in training: in eval mode bitsandbytes repacks CPU weights for a bf16
+        # inference kernel whenever an input does not require grad (the chunked forward's case).
+        return lora(prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)).train()
+
+    stock, patched = load(), load()
+    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    inputs = make_batch("plain")
+    stock_loss, stock_grads = loss_and_grads(stock, inputs)
+    patched_loss, patched_grads = loss_and_grads(patched, inputs)
+    assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
+    assert_grads_close(stock_grads, patched_grads)
