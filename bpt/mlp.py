@@ -1,0 +1,184 @@
+"""Chunked MLP: run a module's whole forward one sequence chunk at a time, recompute in backward.
+
+Only one chunk's intermediate (chunk x intermediate, e.g. act(gate(x)) * up(x) for SwiGLU) exists at
+a time, in forward and in backward; the autograd graph keeps just the inputs. The module's own
+forward is called per chunk, so LoRA adapters, 4-bit layers, dropout and MoE routing keep working.
+Randomness (dropout, router jitter) is replayed exactly in the recompute by restoring the RNG state
+captured before the forward loop; the chunks run in the same order, so each draws the same numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+
+
+def chunked_mlp(forward: Callable, params: Sequence[torch.Tensor], *inputs: torch.Tensor,
+                chunk: int) -> torch.Tensor:
+    """Run `forward(*inputs)` in sequence chunks of `chunk` tokens and return its output [B, N, ...].
+
+    forward: the module's original forward (e.g. a bound method of LlamaMLP, MixtralSparseMoeBlock,
+        or BloomMLP taking (hidden, residual)); it must return one tensor [B, n, ...] for inputs [B, n, ...].
+    params: the module's parameters; only those with requires_grad get gradients (frozen 4-bit weights
+        are skipped, LoRA adapters included). A trainable tensor forward uses but that is missing here
+        raises in backward (it would otherwise silently get no gradient).
+    inputs: tensors [B, N, ...], all chunked along dim 1.
+
+    With grad enabled and something requiring grad, a custom autograd Function saves only the inputs
+    and recomputes each chunk in backward; otherwise the chunks are run and concatenated.
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunked_mlp: chunk must be a positive integer number of tokens, got {chunk!r}")
+    if not inputs:
+        raise ValueError("chunked_mlp: at least one input tensor [B, N, ...] is required")
+    seq_len = inputs[0].shape[1]
+    for x in inputs:
+        if x.dim() < 2 or x.shape[1] != seq_len:
+            raise ValueError(f"chunked_mlp: every input must be [B, N, ...] with the same N={seq_len}, "
+                             f"got shape {tuple(x.shape)}")
+    trainable = [p for p in params if p.requires_grad]
+    needs_grad = torch.is_grad_enabled() and (bool(trainable) or any(x.requires_grad for x in inputs))
+    if not needs_grad:
+        return _run_chunks(forward, inputs, chunk, copy_inputs=False)
+    return _ChunkedMLP.apply(forward, chunk, len(inputs), *inputs, *trainable)
+
+
+def _spans(length: int, chunk: int):
+    """(start, end) of each chunk along the sequence."""
+    return [(start, min(start + chunk, length)) for start in range(0, length, chunk)]
+
+
+def _checked_output(y, inputs: Sequence[torch.Tensor], start: int, end: int) -> torch.Tensor:
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"chunked_mlp: the wrapped forward must return a single tensor, got {type(y).__name__}; "
+                        "wrap forward in a function that returns the hidden states only")
+    batch = inputs[0].shape[0]
+    if y.dim() < 2 or y.shape[0] != batch or y.shape[1] != end - start:
+        raise ValueError(f"chunked_mlp: the wrapped forward must return [B, n, ...] for a chunk of "
+                         f"n={end - start} tokens (B={batch}), got shape {tuple(y.shape)}")
+    return y
+
+
+def _run_chunks(forward: Callable, inputs: Sequence[torch.Tensor], chunk: int, copy_inputs: bool) -> torch.Tensor:
+    """Forward every chunk and write it into one output [B, N, ...]."""
+    seq_len = inputs[0].shape[1]
+    out = None
+    for start, end in _spans(seq_len, chunk):
+        # [B, n, ...] per input; a copy when the caller's tensors must survive in-place ops in forward
+        # (Mixtral's router jitter multiplies its input in place, and these inputs are saved for backward).
+        pieces = [x[:, start:end].clone() if copy_inputs else x[:, start:end].contiguous() for x in inputs]
+        y = _checked_output(forward(*pieces), inputs, start, end)  # [B, n, ...]
+        if out is None:
+            out = y.new_empty((y.shape[0], seq_len, *y.shape[2:]))  # [B, N, ...]
+        out[:, start:end] = y
+    return out
+
+
+class _RngSnapshot:
+    """CPU RNG state plus that of every accelerator device holding one of `tensors`."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.cpu = torch.get_rng_state()
+        self.devices: dict[str, dict[int, torch.Tensor]] = {}
+        for t in tensors:
+            device = t.device
+            if device.type in ("cpu", "meta") or device.index in self.devices.get(device.type, {}):
+                continue
+            module = torch.get_device_module(device.type)
+            self.devices.setdefault(device.type, {})[device.index] = module.get_rng_state(device.index)
+
+    @contextlib.contextmanager
+    def replayed(self):
+        """Run the body from the captured states, then give the caller back its own RNG streams."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[]))  # CPU
+            for device_type, states in self.devices.items():
+                stack.enter_context(torch.random.fork_rng(devices=list(states), device_type=device_type))
+            torch.set_rng_state(self.cpu)
+            for device_type, states in self.devices.items():
+                module = torch.get_device_module(device_type)
+                for index, state in states.items():
+                    module.set_rng_state(state, index)
+            yield
+
+
+def _autocast_state(tensors: Sequence[torch.Tensor]) -> list[tuple[str, bool, torch.dtype]]:
+    """Autocast (enabled, dtype) per device type in use, to replay the forward's precision in backward
+    (backward may run on another thread, or outside the caller's autocast region)."""
+    device_types = {"cpu"} | {t.device.type for t in tensors if t.device.type != "meta"}
+    return [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in sorted(device_types)]
+
+
+@contextlib.contextmanager
+def _autocast_replayed(state: list[tuple[str, bool, torch.dtype]]):
+    with contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in state:
+            stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled))
+        yield
+
+
+def isolated_saved_tensors():
+    """Keep the tensors saved by a transient inner graph away from the caller's saved-tensor hooks
+    (activation checkpointing would try to recompute them, CPU offload would copy them).
+    Only the innermost hooks apply; detach() in pack avoids a reference cycle through grad_fn."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t)
+
+
+def _check_no_hidden_leaves(y: torch.Tensor, known: Sequence[torch.Tensor]):
+    """Fail loudly if forward used a trainable tensor that was not passed in `params`: it would
+    otherwise silently get no gradient (the forward pass ran under no_grad)."""
+    # Leaves are matched by their gradient accumulator node: saved-tensor hooks (checkpoint, offload)
+    # hand back other Python objects for the same parameter.
+    known_nodes = {torch.autograd.graph.get_gradient_edge(t).node for t in known}
+    stack, seen = [y.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # only AccumulateGrad nodes hold a leaf tensor
+        if leaf is not None and node not in known_nodes:
+            raise RuntimeError(f"chunked_mlp: forward uses a trainable tensor of shape {tuple(leaf.shape)} that "
+                               "was not passed in params; pass every parameter forward uses")
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+class _ChunkedMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, forward, chunk, n_inputs, *tensors):
+        inputs, params = tensors[:n_inputs], tensors[n_inputs:]
+        ctx.forward, ctx.chunk, ctx.n_inputs = forward, chunk, n_inputs
+        ctx.rng = _RngSnapshot(inputs)
+        ctx.autocast = _autocast_state(inputs)
+        ctx.save_for_backward(*inputs, *params)  # inputs [B, N, ...]; params are the module's own tensors
+        return _run_chunks(forward, inputs, chunk, copy_inputs=True)  # [B, N, ...]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        inputs, params = saved[:ctx.n_inputs], saved[ctx.n_inputs:]
+        wants = ctx.needs_input_grad[3:3 + ctx.n_inputs]
+        input_grads = [torch.empty_like(x) if want else None for x, want in zip(inputs, wants)]  # [B, N, ...]
+        param_grads = [None] * len(params)
+        with ctx.rng.replayed(), _autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
+            for start, end in _spans(inputs[0].shape[1], ctx.chunk):
+                leaves = [x[:, start:end].detach().requires_grad_(want) for x, want in zip(inputs, wants)]
+                # clone: a non-leaf the forward may modify in place, with gradients flowing to the leaf
+                y = ctx.forward(*[leaf.clone() for leaf in leaves])  # [B, n, ...]
+                targets = [leaf for leaf in leaves if leaf.requires_grad] + list(params)
+                if start == 0:
+                    _check_no_hidden_leaves(y, targets)
+                grads = torch.autograd.grad(y, targets, grad_out[:, start:end], allow_unused=True)
+                grads = iter(grads)
+                for i, leaf in enumerate(leaves):
+                    if leaf.requires_grad:
+                        g = next(grads)
+                        input_grads[i][:, start:end] = 0 if g is None else g
+                for j, g in enumerate(grads):
+                    if g is None:  # parameter unused by this chunk (an MoE expert no token picked)
+                        continue
+                    if param_grads[j] is None:  # our own buffer: g may alias a tensor autograd still holds
+                        param_grads[j] = torch.zeros_like(params[j])
+                    param_grads[j].add_(g)
+        return (None, None, None, *input_grads, *param_grads)
