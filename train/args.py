@@ -1,0 +1,350 @@
+"""The CLI schema of `python -m train.qlora`: dataclasses whose fields are the flags.
+
+Every field becomes `--<name>` (booleans also get `--no_<name>`), its metadata["help"] is the
+--help text and metadata["choices"] the allowed values. Values are layered, later wins:
+
+    field defaults  <  DEFAULT_RUN (only when no model is named)  <  --config YAML  <  flags
+
+YAML keys are the flag names; YAML and flags go through the same argparse parser, so a value is
+converted and checked the same way wherever it comes from. Every mistake raises UserError.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from train.errors import UserError
+
+TINY_LLAMA_DIR = Path(__file__).resolve().parent / "assets" / "tiny-llama"
+
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt")
+
+
+def _opt(default, help: str, choices=None):
+    """A dataclass field carrying its --help text (and allowed values) as metadata."""
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelArguments:
+    """Model and precision"""
+
+    model_name_or_path: str | None = _opt(
+        None, "Hub name or local directory of the base model. When no model is named (flag or --config), "
+        "the embedded default run is used: the bundled train/assets/tiny-llama with the passkey data.")
+    trust_remote_code: bool = _opt(False, "Allow model code from the hub repository to run (off by default).")
+    bits: int = _opt(4, "Base weights: 4 = NF4 QLoRA with double quantisation, 8 = int8, 16 = not quantised "
+                     "(bf16 on GPU, fp32 on CPU).", choices=(4, 8, 16))
+    rope_scaling: str | None = _opt(
+        None, "RoPE scaling used to run past the model's max_position_embeddings.",
+        choices=("linear", "dynamic", "yarn", "llama3"))
+    rope_factor: float | None = _opt(
+        None, "RoPE scaling factor; default max_seq_len / the model's max_position_embeddings.")
+    mixed_precision: str | None = _opt(
+        None, "Autocast precision; default: the accelerate launch config's, else bf16 on a GPU that supports it, "
+        "else no.", choices=("no", "fp16", "bf16"))
+
+
+@dataclass
+class DataArguments:
+    """Data"""
+
+    dataset: str = _opt("passkey", "Hub dataset name, local json/jsonl/txt/parquet/csv file or directory, or "
+                        "'passkey' (built-in synthetic passkey-retrieval data).")
+    dataset_split: str = _opt("train", "Split of the dataset to train on.")
+    text_field: str = _opt("text", "Column holding the raw text (used when no prompt/response fields are given).")
+    prompt_field: str | None = _opt(None, "Column holding the prompt (loss is masked on it); needs --response_field.")
+    response_field: str | None = _opt(None, "Column holding the response the loss is computed on.")
+    packing: bool = _opt(True, "Pack documents into max_seq_len rows (position ids restart per document).")
+    max_seq_len: int = _opt(4096, "Tokens per training row.")
+    passkey_samples: int = _opt(256, "Number of synthetic examples when --dataset passkey.")
+    num_proc: int | None = _opt(None, "Processes for tokenisation (datasets.map num_proc).")
+
+
+@dataclass
+class LoraArguments:
+    """LoRA"""
+
+    lora_r: int = _opt(16, "LoRA rank.")
+    lora_alpha: float = _opt(32.0, "LoRA alpha (the update is scaled by alpha / r).")
+    lora_dropout: float = _opt(0.05, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] = _opt(
+        ["all-linear"], "Module names to adapt (space or comma separated), or all-linear.")
+    train_embeddings_and_norms: bool = _opt(
+        False, "LongLoRA style: also train the input embeddings and all norm layers (saved with the adapter).")
+
+
+@dataclass
+class BPTArguments:
+    """Blockwise (BPT) patch"""
+
+    bpt: bool = _opt(True, "Patch the model with blockwise attention / MLP / loss (apply_bpt_patch).")
+    q_block: int | None = _opt(None, "Query block size of blockwise attention (default: bpt.config.BPTConfig).")
+    kv_block: int | None = _opt(None, "Key/value block size of blockwise attention (default: BPTConfig).")
+    mlp_chunk: int | None = _opt(None, "Tokens per chunk of the chunked MLP (default: BPTConfig).")
+    loss_chunk: int | None = _opt(None, "Tokens per chunk of the chunked LM head + loss (default: BPTConfig).")
+    bpt_compile: bool | None = _opt(None, "torch.compile the per-block functions; default: only on CUDA.")
+
+
+@dataclass
+class TrainArguments:
+    """Training loop and outputs"""
+
+    output_dir: str = _opt("outputs/qlora-run", "Where checkpoints, metrics.jsonl and the final adapter go.")
+    overwrite_output_dir: bool = _opt(False, "Start over in an output_dir that holds a finished run or checkpoints.")
+    per_device_train_batch_size: int = _opt(1, "Rows per micro-batch on each device.")
+    gradient_accumulation_steps: int = _opt(1, "Micro-batches per optimizer step.")
+    learning_rate: float = _opt(2e-4, "Peak learning rate.")
+    weight_decay: float = _opt(0.0, "AdamW weight decay.")
+    lr_scheduler_type: str = _opt("cosine", "Learning-rate schedule (transformers.get_scheduler).", choices=SCHEDULERS)
+    warmup_steps: int = _opt(0, "Linear warm-up steps.")
+    max_steps: int = _opt(-1, "Optimizer steps to run; -1 = run --num_train_epochs.")
+    num_train_epochs: float = _opt(1.0, "Epochs over the dataset (used when --max_steps is -1).")
+    optim: str = _opt("adamw", "Optimizer: torch AdamW or bitsandbytes paged 8-bit AdamW.",
+                      choices=("adamw", "paged_adamw_8bit"))
+    max_grad_norm: float = _opt(1.0, "Gradient clipping norm; 0 disables clipping.")
+    gradient_checkpointing: bool = _opt(True, "Recompute layer activations in backward (use_reentrant=False).")
+    seed: int = _opt(42, "Seed for LoRA init, data order and dropout.")
+    torch_threads: int | None = _opt(
+        None, "CPU threads per process for torch ops (torch.set_num_threads); default: torch's own. 1 is fastest "
+        "for tiny models on a shared CPU, where threads spin-wait on each other.")
+    save_steps: int = _opt(200, "Write checkpoint-N every N optimizer steps; 0 = no intermediate checkpoints.")
+    logging_steps: int = _opt(1, "Log (metrics.jsonl, trackers) every N optimizer steps.")
+    resume_from_checkpoint: str | None = _opt(
+        None, "Checkpoint directory to resume from, or 'latest' for the newest checkpoint-N in output_dir.")
+    report_to: str = _opt("none", "Experiment tracker (accelerate trackers).", choices=("none", "tensorboard", "wandb"))
+    merge: bool = _opt(False, "Also write the base merged with the adapter (unquantised) to output_dir/merged.")
+
+
+@dataclass
+class EvalArguments:
+    """Passkey evaluation"""
+
+    eval_passkey: bool = _opt(False, "Evaluate passkey retrieval accuracy before and after training (eval.json).")
+    eval_lengths: list[int] | None = _opt(None, "Context lengths of the passkey evaluation; default: max_seq_len.")
+    eval_depths: list[float] = _opt([0.1, 0.5, 0.9], "Relative depths of the passkey in the context.")
+    eval_trials: int = _opt(4, "Passkey trials per (length, depth).")
+
+
+GROUPS = (ModelArguments, DataArguments, LoraArguments, BPTArguments, TrainArguments, EvalArguments)
+
+# The embedded default run (configs/default.yaml mirrors it; a test keeps the two in sync): a real
+# context extension of the bundled tiny char-level llama from its pretraining length to 4x that.
+DEFAULT_RUN = {
+    "model_name_or_path": str(TINY_LLAMA_DIR),
+    "dataset": "passkey",
+    "max_seq_len": 1024,
+    "rope_scaling": "linear",
+    "bits": 4,
+    "bpt": True,
+    "passkey_samples": 128,
+    "lora_r": 16,
+    "lora_alpha": 32.0,
+    "lora_dropout": 0.0,
+    "train_embeddings_and_norms": True,
+    "learning_rate": 5e-3,
+    "lr_scheduler_type": "cosine",
+    "warmup_steps": 10,
+    "max_steps": 150,
+    "per_device_train_batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "save_steps": 50,
+    "logging_steps": 10,
+    "eval_passkey": True,
+    "eval_trials": 4,
+    "output_dir": "outputs/default-run",
+    "torch_threads": 1,  # 150 steps: 35 s with 1 thread, 310 s with 2 on a busy 2-core machine (same losses)
+}
+
+
+@dataclass
+class Args(ModelArguments, DataArguments, LoraArguments, BPTArguments, TrainArguments, EvalArguments):
+    """All flags in one flat namespace (what the trainer reads)."""
+
+    config: str | None = None  # the --config file the run was started with (recorded, not a schema field)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def schema_fields() -> dict[str, dataclasses.Field]:
+    """Flag name -> dataclass field, over all argument groups."""
+    return {f.name: f for group in GROUPS for f in dataclasses.fields(group)}
+
+
+def _kind(group: type, name: str) -> tuple[type, bool]:
+    """(scalar type, is_list) of a field, with Optional unwrapped."""
+    hint = typing.get_type_hints(group)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, type(int | None)) and len(args) == 1:
+        hint = args[0]
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0], True
+    return hint, False
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UserError (one line, exit 2 in the CLI) instead of printing usage."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see python -m train.qlora --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m train.qlora", description=(
+        "Long-context QLoRA fine-tuning of a HuggingFace causal LM with blockwise (BPT) attention, MLP and loss. "
+        "With no model named it runs the embedded default: a 4x context extension of a bundled tiny llama "
+        "on synthetic passkey data, evaluated before and after."),
+        # Unset flags stay out of the namespace (defaults are layered by parse_args); no abbreviations,
+        # so a misspelt flag is an error instead of silently meaning another flag.
+        argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    parser.add_argument("--config", help="YAML file of flag defaults (keys = flag names); flags override it.")
+    for group in GROUPS:
+        section = parser.add_argument_group(group.__doc__)
+        for f in dataclasses.fields(group):
+            _add_flag(section, group, f)
+    return parser
+
+
+def _add_flag(section, group: type, f: dataclasses.Field) -> None:
+    scalar, is_list = _kind(group, f.name)
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    help_text = f"{f.metadata['help']} (default: {default})"
+    if scalar is bool:
+        section.add_argument(f"--{f.name}", dest=f.name, action="store_true", help=help_text)
+        section.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=f"Turn --{f.name} off.")
+        return
+    kwargs = {"type": scalar, "help": help_text, "metavar": f.name.upper()}
+    if "choices" in f.metadata:
+        kwargs["choices"] = f.metadata["choices"]
+        kwargs.pop("metavar")
+    if is_list:
+        kwargs["nargs"] = "+"
+    section.add_argument(f"--{f.name}", **kwargs)
+
+
+def _yaml_to_argv(values: dict, source: str) -> list[str]:
+    """Turn a YAML mapping of flag values into argv tokens (None = keep the default)."""
+    fields = schema_fields()
+    unknown = [key for key in values if key not in fields]
+    if unknown:
+        hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, fields, 1))
+                 else repr(key) for key in unknown]
+        raise UserError(f"{source}: unknown key(s) {', '.join(hints)}; keys must be flag names "
+                        "(python -m train.qlora --help)")
+    argv = []
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(f"--{key}" if value else f"--no_{key}")
+        elif isinstance(value, (list, tuple)):
+            argv += [f"--{key}", *map(str, value)]
+        elif isinstance(value, dict):
+            raise UserError(f"{source}: {key} must be a single value or a list, not a mapping")
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def load_yaml(path: str) -> dict:
+    """The mapping in a --config YAML file, or UserError saying what is wrong with it."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise UserError(f"cannot read --config {path}: {error.strerror or error}") from None
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise UserError(f"--config {path} is not valid YAML{line}: {problem}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise UserError(f"--config {path} must be a mapping of flag names to values, got {type(values).__name__}")
+    return values
+
+
+def _parse_tokens(parser: argparse.ArgumentParser, argv: list[str], source: str) -> dict:
+    try:
+        return vars(parser.parse_args(argv))
+    except UserError as error:
+        raise UserError(f"{source}: {error}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    """Layer field defaults, the embedded default run, --config YAML and flags into one validated Args."""
+    parser = build_parser()
+    cli = _parse_tokens(parser, sys.argv[1:] if argv is None else argv, "command line")
+    layers: dict = {}
+    config_path = cli.pop("config", None)
+    yaml_values = {}
+    if config_path is not None:
+        yaml_values = load_yaml(config_path)
+        if "config" in yaml_values:
+            raise UserError(f"--config {config_path}: a config file cannot name another config")
+        yaml_values = _parse_tokens(parser, _yaml_to_argv(yaml_values, config_path), config_path)
+    if "model_name_or_path" not in cli and "model_name_or_path" not in yaml_values:
+        layers.update(DEFAULT_RUN)
+    layers.update(yaml_values)
+    layers.update(cli)
+    args = Args(**layers, config=config_path)
+    validate(args)
+    return args
+
+
+def _split_commas(values: list[str]) -> list[str]:
+    return [part for value in values for part in value.split(",") if part]
+
+
+def validate(args: Args) -> None:
+    """Value checks argparse cannot express; raises UserError naming the flag."""
+    args.lora_target_modules = _split_commas(args.lora_target_modules)
+    positive = ["max_seq_len", "per_device_train_batch_size", "gradient_accumulation_steps", "lora_r",
+                "logging_steps", "passkey_samples", "eval_trials"]
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    for name in ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "num_proc", "torch_threads"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    for name in ("save_steps", "warmup_steps", "max_grad_norm", "weight_decay"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.learning_rate <= 0:
+        raise UserError(f"--learning_rate must be > 0, got {args.learning_rate}")
+    if not 0 <= args.lora_dropout < 1:
+        raise UserError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    if args.max_steps == 0 or args.max_steps < -1:
+        raise UserError(f"--max_steps must be a positive number of steps or -1 (use --num_train_epochs), "
+                        f"got {args.max_steps}")
+    if args.max_steps == -1 and args.num_train_epochs <= 0:
+        raise UserError(f"--num_train_epochs must be > 0, got {args.num_train_epochs}")
+    if args.rope_factor is not None and args.rope_factor < 1:
+        raise UserError(f"--rope_factor must be >= 1 (it stretches the positions), got {args.rope_factor}")
+    if args.rope_factor is not None and args.rope_scaling is None:
+        raise UserError("--rope_factor needs --rope_scaling (linear, dynamic, yarn or llama3)")
+    if (args.prompt_field is None) != (args.response_field is None):
+        raise UserError("--prompt_field and --response_field go together: give both, or neither to train on "
+                        "--text_field")
+    if any(not 0 <= depth <= 1 for depth in args.eval_depths):
+        raise UserError(f"--eval_depths must be fractions in [0, 1], got {args.eval_depths}")
+    if args.eval_lengths is not None and any(length <= 0 for length in args.eval_lengths):
+        raise UserError(f"--eval_lengths must be positive, got {args.eval_lengths}")
+    if args.bpt_compile and not args.bpt:
+        raise UserError("--bpt_compile needs --bpt (it compiles the blockwise functions)")

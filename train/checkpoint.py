@@ -1,0 +1,170 @@
+"""Checkpoints `checkpoint-N/` of a train.qlora run, written atomically and validated on resume.
+
+A checkpoint holds everything the resumed run needs to repeat the uninterrupted run's steps exactly:
+
+    adapter_config.json, adapter_model.safetensors   the trainable weights (peft format)
+    optimizer.pt, scheduler.pt                         their state_dicts
+    rng_state.pt                                       python / numpy / torch (and CUDA) RNG, one per rank
+    trainer_state.json                                 step, data position (epoch, batch), args
+
+It is written into a hidden temp directory inside output_dir and renamed into place, so a crash
+never leaves a half-written checkpoint-N behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+
+from train.errors import UserError
+
+PREFIX = "checkpoint-"
+TMP_PREFIX = ".tmp-"
+STATE_FILE = "trainer_state.json"
+REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt",
+                  "rng_state.pt", STATE_FILE)
+# Args that decide which rows each step sees: resuming with different values would not continue the run.
+DATA_ORDER_ARGS = ("seed", "per_device_train_batch_size", "dataset", "max_seq_len", "packing")
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """checkpoint-N directories in output_dir, oldest (lowest N) first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(output_dir)
+             if (m := re.fullmatch(rf"{PREFIX}(\d+)", name)) and os.path.isdir(os.path.join(output_dir, name))]
+    return [os.path.join(output_dir, name) for _, name in sorted(found)]
+
+
+def resolve(resume_from: str, output_dir: str) -> str:
+    """The checkpoint directory named by --resume_from_checkpoint (a path or 'latest'), validated."""
+    if resume_from == "latest":
+        checkpoints = list_checkpoints(output_dir)
+        if not checkpoints:
+            raise UserError(f"--resume_from_checkpoint latest: no {PREFIX}N directory in {output_dir}; check "
+                            "--output_dir or start without --resume_from_checkpoint")
+        path = checkpoints[-1]
+    else:
+        path = resume_from
+    if not os.path.isdir(path):
+        raise UserError(f"--resume_from_checkpoint {path} does not exist; give a {PREFIX}N directory or 'latest'")
+    missing = [name for name in REQUIRED_FILES if not os.path.isfile(os.path.join(path, name))]
+    if missing:
+        raise UserError(f"checkpoint {path} is incomplete or corrupt (missing {', '.join(missing)}); resume from "
+                        "another checkpoint or start over with --overwrite_output_dir")
+    read_state(path)
+    return path
+
+
+def read_state(path: str) -> dict:
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+        int(state["step"]), int(state["epoch"]), int(state["batch"])
+        return state
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"checkpoint {path} is corrupt ({STATE_FILE} unreadable: {error}); resume from another "
+                        "checkpoint or start over with --overwrite_output_dir") from None
+
+
+def check_compatible(state: dict, args, world_size: int, path: str) -> None:
+    """UserError when the resumed run would see different data than the run that wrote the checkpoint."""
+    saved = state.get("args", {})
+    changed = [f"--{name} {saved[name]!r} -> {getattr(args, name)!r}" for name in DATA_ORDER_ARGS
+               if name in saved and saved[name] != getattr(args, name)]
+    if state.get("world_size", world_size) != world_size:
+        changed.append(f"processes {state['world_size']} -> {world_size}")
+    if changed:
+        raise UserError(f"checkpoint {path} was written with other data settings ({'; '.join(changed)}); resume "
+                        "with the original values or start a new run")
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_atomically(output_dir: str, name: str, write) -> str:
+    """Call write(tmp_dir) on a fresh hidden directory in output_dir, then rename it to output_dir/name.
+
+    os.rename within one filesystem is atomic, so readers see either no `name` or a complete one.
+    """
+    tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{name}-", dir=output_dir)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = os.path.join(output_dir, name)
+    if os.path.exists(final):  # left by an earlier attempt that ran past this step: replace it
+        stale = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}stale-", dir=output_dir)
+        os.rename(final, os.path.join(stale, name))
+        os.rename(tmp, final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    return final
+
+
+def remove_leftovers(output_dir: str) -> None:
+    """Delete temp directories left by a run that died while writing a checkpoint."""
+    if os.path.isdir(output_dir):
+        for name in os.listdir(output_dir):
+            if name.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+
+
+def save(output_dir: str, step: int, *, model, optimizer, scheduler, rng_states: list, position: tuple[int, int],
+         args_dict: dict, world_size: int) -> str:
+    """Write checkpoint-<step> (called on the main process only; rng_states holds every rank's)."""
+
+    def write(path: str) -> None:
+        model.save_pretrained(path)
+        torch.save(optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+        torch.save(scheduler.state_dict(), os.path.join(path, "scheduler.pt"))
+        torch.save(rng_states, os.path.join(path, "rng_state.pt"))
+        epoch, batch = position
+        state = {"step": step, "epoch": epoch, "batch": batch, "world_size": world_size, "args": args_dict}
+        with open(os.path.join(path, STATE_FILE), "w") as f:
+            json.dump(state, f, indent=2)
+
+    return write_atomically(output_dir, f"{PREFIX}{step}", write)
+
+
+def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
+    """Restore the trainable weights, optimizer, scheduler and this rank's RNG from `path`; return its state."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = read_state(path)
+    try:
+        weights = load_file(os.path.join(path, "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(model, weights)
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise ValueError(f"weights the model does not have: {unexpected[:3]}")
+        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False))
+        scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
+        rng_states = torch.load(os.path.join(path, "rng_state.pt"), weights_only=False)
+    except Exception as error:  # any unreadable or mismatched piece means the same thing to the user
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UserError(f"cannot resume from {path}: {message}; the checkpoint is corrupt or from a run with other "
+                        "model/LoRA settings") from None
+    set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
+    return state

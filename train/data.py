@@ -1,0 +1,257 @@
+"""Training data: load text, tokenize in parallel, pack into fixed-length rows, collate batches.
+
+Row format (every row, packed or not): input_ids, labels, position_ids, all of one length.
+labels are UNSHIFTED copies of input_ids (the HF convention: the model shifts) with -100 where a token
+is not a prediction target. In packed rows position_ids restart at 0 at each document start; both
+transformers and our patch read a restart as "no attention across this boundary".
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+
+from train.errors import UserError
+
+# File suffix -> `datasets` builder. A .txt file is one document per file (not per line): long-context
+# training wants whole documents, and a book's line breaks are not document boundaries.
+_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+_BUILDER_KWARGS = {"text": {"sample_by": "document"}}
+# Below this many documents, worker processes cost more than they save.
+_MIN_DOCS_PER_PROC = 1000
+
+
+def _looks_local(source: str) -> bool:
+    # "owner/name" is a hub dataset; an explicit path or a data-file suffix means a local file.
+    return source.startswith((".", "/", "~")) or Path(source).suffix.lower() in _BUILDERS
+
+
+def _files_in(directory: Path) -> tuple[str, list[str]]:
+    """(builder, sorted files) for a directory; all supported files in it must share one format."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
+    if not files:
+        raise UserError(f"directory {directory} has no {'/'.join(_BUILDERS)} files; put the data files there "
+                        "or pass a file path")
+    builders = {_BUILDERS[p.suffix.lower()] for p in files}
+    if len(builders) > 1:
+        raise UserError(f"directory {directory} mixes formats ({', '.join(sorted(builders))}); keep one format "
+                        "per directory or pass a single file")
+    return builders.pop(), [str(p) for p in files]
+
+
+def load_text_dataset(source: str, *, split: str = "train") -> datasets.Dataset:
+    """A local .json/.jsonl/.txt/.parquet/.csv file, a directory of such files, or a hub dataset name."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        builder, files = _files_in(path)
+    elif path.is_file():
+        builder = _BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise UserError(f"unsupported data file format '{path.suffix}' ({source}); use one of "
+                            f"{', '.join(_BUILDERS)}")
+        files = [str(path)]
+    elif _looks_local(source):
+        raise UserError(f"data file {source} does not exist; check the path")
+    else:
+        return _load_from_hub(source, split)
+    try:
+        # Local files always land in the builder's "train" split, whatever `split` asks for.
+        ds = datasets.load_dataset(builder, data_files=files, split="train", **_BUILDER_KWARGS.get(builder, {}))
+    except Exception as e:  # datasets raises many types for unreadable files
+        raise UserError(f"could not read {source} as {builder} ({type(e).__name__}: {_first_line(e)}); "
+                        "check that the file is valid") from None
+    return _non_empty(ds, source)
+
+
+def _load_from_hub(name: str, split: str) -> datasets.Dataset:
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # network, unknown name, unknown split...
+        raise UserError(f"could not load dataset '{name}' split '{split}' from the hub "
+                        f"({type(e).__name__}: {_first_line(e)}); check the name, or pass a local file") from None
+    return _non_empty(ds, name)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "no details"
+
+
+def _non_empty(ds: datasets.Dataset, source: str) -> datasets.Dataset:
+    if len(ds) == 0:
+        raise UserError(f"dataset {source} is empty; give it at least one document")
+    return ds
+
+
+def _encode(tokenizer, texts: list, add_special_tokens: bool) -> list[list[int]]:
+    texts = ["" if t is None else str(t) for t in texts]  # empty CSV cells arrive as None
+    # verbose=False: documents longer than the tokenizer's model_max_length are expected here.
+    return tokenizer(texts, add_special_tokens=add_special_tokens, verbose=False)["input_ids"]
+
+
+def _tokenize_text(batch, *, tokenizer, text_field):
+    ids = [doc + [tokenizer.eos_token_id] for doc in _encode(tokenizer, batch[text_field], True)]
+    return {"input_ids": ids, "labels": [list(x) for x in ids]}
+
+
+def _tokenize_prompt_response(batch, *, tokenizer, prompt_field, response_field):
+    # Prompt and response are tokenized separately so the boundary between masked and trained tokens
+    # is exact (tokenizing the concatenation could merge characters across it).
+    prompts = _encode(tokenizer, batch[prompt_field], True)
+    responses = _encode(tokenizer, batch[response_field], False)
+    eos = tokenizer.eos_token_id
+    input_ids, labels = [], []
+    for p, r in zip(prompts, responses):
+        input_ids.append(p + r + [eos])
+        labels.append([-100] * len(p) + r + [eos])
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def _check_fields(ds: datasets.Dataset, fields: list[str], source) -> None:
+    for field in fields:
+        if field not in ds.column_names:
+            raise UserError(f"column '{field}' is not in dataset {source}; available columns: "
+                            f"{', '.join(ds.column_names)} (set --text_field or --prompt_field/--response_field)")
+
+
+def _default_num_proc(n_docs: int) -> int | None:
+    if n_docs < 2 * _MIN_DOCS_PER_PROC:
+        return None
+    return max(1, min(os.cpu_count() or 1, 8, n_docs // _MIN_DOCS_PER_PROC))
+
+
+def tokenize_dataset(tokenizer, ds: datasets.Dataset, *, text_field="text", prompt_field=None,
+                     response_field=None, num_proc=None, source="") -> datasets.Dataset:
+    """Documents -> rows of input_ids and labels (each document ends with EOS)."""
+    if tokenizer.eos_token_id is None:
+        raise UserError("the tokenizer has no eos_token; set one (documents are separated by EOS)")
+    if (prompt_field is None) != (response_field is None):
+        raise UserError("give both --prompt_field and --response_field, or neither (then --text_field is used)")
+    if prompt_field is not None:
+        _check_fields(ds, [prompt_field, response_field], source)
+        fn, kwargs = _tokenize_prompt_response, {"prompt_field": prompt_field, "response_field": response_field}
+    else:
+        _check_fields(ds, [text_field], source)
+        fn, kwargs = _tokenize_text, {"text_field": text_field}
+    return ds.map(fn, batched=True, num_proc=num_proc if num_proc is not None else _default_num_proc(len(ds)),
+                  remove_columns=ds.column_names, fn_kwargs={"tokenizer": tokenizer, **kwargs},
+                  desc="tokenizing")
+
+
+def _packed_rows(tokenized: datasets.Dataset, max_seq_len: int, batch_docs: int = 1000):
+    """Yield packed rows; a buffer carries the remainder across batches so no token is lost between them."""
+    buf_ids, buf_labels, buf_pos = (np.zeros(0, dtype=np.int64) for _ in range(3))
+    for batch in tokenized.iter(batch_size=batch_docs):
+        docs = [np.asarray(d, dtype=np.int64) for d in batch["input_ids"]]
+        labels = [np.asarray(lab, dtype=np.int64).copy() for lab in batch["labels"]]
+        for lab in labels:
+            # The first token of a document is never a target: predicting it would mean predicting
+            # across a document boundary (from the previous document's EOS).
+            lab[:1] = -100
+        pos = [np.arange(len(d), dtype=np.int64) for d in docs]
+        buf_ids = np.concatenate([buf_ids, *docs])
+        buf_labels = np.concatenate([buf_labels, *labels])
+        buf_pos = np.concatenate([buf_pos, *pos])
+        n_rows = len(buf_ids) // max_seq_len
+        for r in range(n_rows):
+            sl = slice(r * max_seq_len, (r + 1) * max_seq_len)
+            yield {"input_ids": buf_ids[sl], "labels": buf_labels[sl], "position_ids": _restart_at_row(buf_pos[sl])}
+        cut = n_rows * max_seq_len
+        buf_ids, buf_labels, buf_pos = buf_ids[cut:], buf_labels[cut:], buf_pos[cut:]
+    # The final partial row (< max_seq_len tokens) is dropped: padding it would waste a whole row of
+    # compute on a sliver of data, and every other row is exactly max_seq_len.
+
+
+def _restart_at_row(pos: np.ndarray) -> np.ndarray:
+    """Positions of a document continued from the previous row restart at 0 too: positions then never
+    exceed max_seq_len - 1 (the range the model is configured for), whatever the document's length."""
+    starts = np.flatnonzero(pos == 0)
+    n_continued = starts[0] if len(starts) else len(pos)  # tokens before this row's first document start
+    out = pos.copy()
+    out[:n_continued] -= pos[0]
+    return out
+
+
+def pack(tokenized: datasets.Dataset, max_seq_len: int) -> datasets.Dataset:
+    rows = {"input_ids": [], "labels": [], "position_ids": []}
+    for row in _packed_rows(tokenized, max_seq_len):
+        for k in rows:
+            rows[k].append(row[k])
+    if not rows["input_ids"]:
+        n_tokens = sum(len(x) for x in tokenized["input_ids"])
+        raise UserError(f"the dataset has {n_tokens} tokens, fewer than one packed row of max_seq_len="
+                        f"{max_seq_len}; use a smaller --max_seq_len, more data, or --packing false")
+    return datasets.Dataset.from_dict(rows)
+
+
+def _truncate(batch, *, max_seq_len):
+    ids = [x[:max_seq_len] for x in batch["input_ids"]]
+    return {"input_ids": ids, "labels": [x[:max_seq_len] for x in batch["labels"]],
+            "position_ids": [list(range(len(x))) for x in ids]}
+
+
+def build_train_dataset(tokenizer, source: str | datasets.Dataset, *, max_seq_len: int, text_field: str = "text",
+                        prompt_field: str | None = None, response_field: str | None = None, packing: bool = True,
+                        num_proc: int | None = None, seed: int = 0, passkey_samples: int = 256) -> datasets.Dataset:
+    """Rows of input_ids, labels, position_ids ready for Collator.
+
+    source "passkey" is the built-in synthetic passkey data (passkey_samples rows of max_seq_len tokens);
+    otherwise a Dataset or anything load_text_dataset accepts. packing=True fills rows of exactly
+    max_seq_len tokens with consecutive documents; packing=False keeps one document per row, truncated
+    to max_seq_len (the collator pads).
+    """
+    if max_seq_len < 2:
+        raise UserError(f"max_seq_len must be at least 2 (got {max_seq_len})")
+    if isinstance(source, str) and source == "passkey":
+        from train.passkey import passkey_dataset
+
+        return passkey_dataset(tokenizer, passkey_samples, max_seq_len, seed)
+    ds = load_text_dataset(source) if isinstance(source, str) else _non_empty(source, "(in memory)")
+    tokenized = tokenize_dataset(tokenizer, ds, text_field=text_field, prompt_field=prompt_field,
+                                 response_field=response_field, num_proc=num_proc, source=source if isinstance(source, str) else "(in memory)")
+    if packing:
+        return pack(tokenized, max_seq_len)
+    return tokenized.map(_truncate, batched=True, fn_kwargs={"max_seq_len": max_seq_len}, desc="truncating")
+
+
+class Collator:
+    """rows -> dict of torch.long tensors [B, L]: input_ids, labels, position_ids, and attention_mask
+    only when rows differ in length (right padding; padded labels are -100).
+
+    Equal-length rows (e.g. packed) get no attention_mask: document boundaries travel in position_ids.
+    """
+
+    def __init__(self, pad_token_id: int | None):
+        # Padded positions are masked out of attention and loss, so the id itself does not matter;
+        # 0 stands in for tokenizers without a pad token.
+        self.pad_token_id = 0 if pad_token_id is None else pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        ids = [list(r["input_ids"]) for r in rows]
+        labels = [list(r["labels"]) if r.get("labels") is not None else list(x) for r, x in zip(rows, ids)]
+        pos = [list(r["position_ids"]) if r.get("position_ids") is not None else list(range(len(x)))
+               for r, x in zip(rows, ids)]
+        lengths = [len(x) for x in ids]
+        width = max(lengths)
+        batch = {
+            "input_ids": _pad(ids, width, self.pad_token_id),
+            "labels": _pad(labels, width, -100),
+            "position_ids": torch.tensor([_pad_positions(p, width) for p in pos], dtype=torch.long),
+        }
+        if len(set(lengths)) > 1:
+            batch["attention_mask"] = torch.tensor([[1] * n + [0] * (width - n) for n in lengths], dtype=torch.long)
+        return batch
+
+
+def _pad(rows: list[list[int]], width: int, value: int) -> torch.Tensor:
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+def _pad_positions(pos: list[int], width: int) -> list[int]:
+    # Padding continues the row's positions instead of restarting at 0, which would read as the
+    # start of another document.
+    nxt = pos[-1] + 1 if pos else 0
+    return pos + list(range(nxt, nxt + width - len(pos)))

@@ -1,0 +1,271 @@
+"""Model side of the recipe: config checks, RoPE scaling, tokenizer, and the load order
+
+    base (4-bit NF4 / 8-bit / 16-bit) -> prepare_model_for_kbit_training -> LoRA -> apply_bpt_patch
+
+Cheap checks (`load_config`, `check_bpt_support`, `apply_rope_scaling`) run on the config alone,
+before any weights are read, so user mistakes fail in a second.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import warnings
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from train.errors import UserError
+
+ROPE_EXTRA = {  # keys each scaling type needs besides rope_type, factor and rope_theta
+    "linear": {},
+    "dynamic": {},
+    "yarn": {"original_max_position_embeddings": None},
+    "llama3": {"original_max_position_embeddings": None, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+}
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def load_config(name_or_path: str, trust_remote_code: bool):
+    """The model's config, or UserError when the model cannot be found or read."""
+    local = os.path.expanduser(name_or_path)
+    if os.path.isdir(local):
+        if not os.path.isfile(os.path.join(local, "config.json")):
+            raise UserError(f"model directory {name_or_path} has no config.json; point --model_name_or_path at a "
+                            "directory written by save_pretrained or at a hub model name")
+    elif os.path.exists(local) or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise UserError(f"--model_name_or_path {name_or_path} is not a model directory (it does not exist or is a "
+                        "file); give a directory written by save_pretrained or a hub name like org/model")
+    try:
+        return AutoConfig.from_pretrained(local if os.path.isdir(local) else name_or_path,
+                                          trust_remote_code=trust_remote_code)
+    except ValueError as error:
+        if "trust_remote_code" in str(error):
+            raise UserError(f"model {name_or_path} needs its own code from the hub: review it, then add "
+                            "--trust_remote_code") from None
+        raise UserError(f"cannot read the config of model {name_or_path}: {_one_line(error)}") from None
+    except OSError as error:
+        if os.path.isdir(local):
+            raise UserError(f"cannot read the config of model {name_or_path}: {_one_line(error)}") from None
+        raise UserError(f"cannot load model {name_or_path}: not a local directory and not available from the hub "
+                        f"(offline or misspelled?): {_one_line(error)}") from None
+
+
+def check_bpt_support(config) -> None:
+    """UserError when apply_bpt_patch cannot handle this family (checked before loading weights)."""
+    from patches import UnsupportedModelError, check_supported
+
+    try:
+        check_supported(config)
+    except UnsupportedModelError as error:
+        message = _one_line(error)
+        if "--no_bpt" not in message:
+            message += "; pass --no_bpt to train without the blockwise patch"
+        raise UserError(message) from None
+
+
+def apply_rope_scaling(config, max_seq_len: int, kind: str | None, factor: float | None) -> float | None:
+    """Check that max_seq_len fits the model's positions and set RoPE scaling on `config` in place.
+
+    The factor defaults to max_seq_len / max_position_embeddings. Returns the factor used (None when
+    no scaling is set). transformers 5 keeps RoPE settings in config.rope_parameters.
+    """
+    original = getattr(config, "max_position_embeddings", None)
+    if kind is None:
+        if original is not None and max_seq_len > original:
+            raise UserError(
+                f"--max_seq_len {max_seq_len} is beyond the model's max_position_embeddings {original} and no RoPE "
+                f"scaling is set: add --rope_scaling linear (factor {max_seq_len / original:g} is derived) or lower "
+                f"--max_seq_len to {original}")
+        return None
+    rope = getattr(config, "rope_parameters", None)
+    if original is None or not isinstance(rope, dict):
+        raise UserError(f"--rope_scaling needs a model with rotary position embeddings; {config.model_type} has "
+                        "none. Drop --rope_scaling and keep --max_seq_len within the model's positions")
+    if config.nested_rope_parameter_keys(rope):
+        raise UserError(f"--rope_scaling is not supported for {config.model_type}, whose RoPE differs per layer "
+                        "type; drop --rope_scaling")
+    if factor is None:
+        if max_seq_len <= original:
+            warnings.warn(f"--max_seq_len {max_seq_len} fits the model's {original} positions: --rope_scaling "
+                          f"{kind} is not applied")
+            return None
+        factor = max_seq_len / original
+    if max_seq_len > original * factor:
+        raise UserError(f"--rope_factor {factor:g} stretches {original} positions to {original * factor:g}, fewer "
+                        f"than --max_seq_len {max_seq_len}: raise it to {max_seq_len / original:g} or omit it")
+    if rope.get("rope_type", "default") != "default":
+        warnings.warn(f"replacing the model's own {rope['rope_type']} RoPE scaling with {kind} x{factor:g}")
+    params = {"rope_type": kind, "factor": float(factor), "rope_theta": rope.get("rope_theta", config.default_theta)}
+    params.update({key: (original if value is None else value) for key, value in ROPE_EXTRA[kind].items()})
+    if "partial_rotary_factor" in rope:
+        params["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    config.rope_parameters = params
+    if kind != "dynamic":
+        # Dynamic NTK computes its stretch relative to max_position_embeddings, so that must stay the
+        # original length; the others now position original * factor tokens.
+        config.max_position_embeddings = math.ceil(original * factor)
+    return float(factor)
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool):
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as error:
+        raise UserError(f"cannot load the tokenizer of {name_or_path}: {_one_line(error)}") from None
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            raise UserError(f"the tokenizer of {name_or_path} has no pad, eos or unk token to pad with")
+        tokenizer.pad_token = fallback
+    return tokenizer
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on a GPU (where the kernels for it exist), fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def quantization_config(bits: int, dtype: torch.dtype) -> BitsAndBytesConfig | None:
+    if bits == 4:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=dtype)
+    if bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def load_base(name_or_path: str, config, *, bits: int, device: torch.device, trust_remote_code: bool,
+              quantize: bool = True):
+    """The base model with `config` (RoPE scaling already on it), quantised per `bits`."""
+    dtype = compute_dtype(device)
+    kwargs = {"config": config, "dtype": dtype, "trust_remote_code": trust_remote_code}
+    if quantize and bits < 16:
+        kwargs["quantization_config"] = quantization_config(bits, dtype)
+    if device.type == "cuda":
+        kwargs["device_map"] = {"": device.index or 0}  # each process loads onto its own GPU
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    except OSError as error:
+        raise UserError(f"cannot load the weights of {name_or_path}: {_one_line(error)}") from None
+    if device.type != "cuda":
+        model.to(device)
+    keep_4bit_layout(model)
+    return model
+
+
+def keep_4bit_layout(model) -> None:
+    """Turn off bitsandbytes' CPU inference repacking of 4-bit weights.
+
+    In eval mode without grad (e.g. the passkey evaluation) Linear4bit on an AVX512-BF16 CPU rewrites
+    its weight in place into another layout computed in bf16: the model that training continues with
+    is then not the one it was, a reloaded adapter no longer reproduces the trained model's outputs,
+    and layers narrower than a quantisation block fail outright.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def lora_config(model, args):
+    """LoRA on the target modules; with train_embeddings_and_norms also the input embedding and every
+    norm layer as full trainable copies saved with the adapter (peft modules_to_save), as in LongLoRA."""
+    from peft import LoraConfig
+
+    modules_to_save = None
+    if args.train_embeddings_and_norms:
+        embedding = model.get_input_embeddings()
+        names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                 if module is embedding or "norm" in type(module).__name__.lower()}
+        modules_to_save = sorted(names)
+    target = args.lora_target_modules
+    return LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias="none",
+        task_type="CAUSAL_LM", target_modules="all-linear" if target == ["all-linear"] else target,
+        modules_to_save=modules_to_save,
+        # Tied input/output embeddings must stay tied when the embedding becomes trainable.
+        ensure_weight_tying=bool(modules_to_save) and bool(getattr(model.config, "tie_word_embeddings", False)),
+    )
+
+
+@contextlib.contextmanager
+def _quiet_checkpointing_renames():
+    """transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*; peft still calls the
+    old names. The warning is not actionable for a user of this recipe."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.* is deprecated", category=FutureWarning)
+        yield
+
+
+def build_model(args, config, device: torch.device):
+    """(peft model ready to train, BPT handle or None), in the order the recipe requires."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    model = load_base(args.model_name_or_path, config, bits=args.bits, device=device,
+                      trust_remote_code=args.trust_remote_code)
+    model.config.use_cache = False  # no KV cache in training
+    checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    with _quiet_checkpointing_renames():
+        if args.bits < 16:
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=args.gradient_checkpointing, **checkpointing)
+        elif args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(**checkpointing)
+        try:
+            model = get_peft_model(model, lora_config(model, args))
+        except ValueError as error:
+            raise UserError(f"cannot apply LoRA with --lora_target_modules {' '.join(args.lora_target_modules)}: "
+                            f"{_one_line(error)}") from None
+    return model, patch(model, args)
+
+
+def patch(model, args):
+    """apply_bpt_patch with the block sizes given on the command line (others: BPTConfig defaults)."""
+    if not args.bpt:
+        return None
+    from patches import apply_bpt_patch
+
+    options = {name: getattr(args, name) for name in ("q_block", "kv_block", "mlp_chunk", "loss_chunk")
+               if getattr(args, name) is not None}
+    try:
+        return apply_bpt_patch(model, compile=args.bpt_compile, **options)
+    except ValueError as error:  # impossible block sizes and the like
+        raise UserError(f"cannot apply the BPT patch: {_one_line(error)}") from None
+
+
+def merge_adapter(args, config, adapter_dir: str, merged_dir: str, tokenizer) -> None:
+    """Reload the base unquantised (with the same RoPE config), merge the adapter into it, save it."""
+    from peft import PeftModel
+
+    device = torch.device("cpu")  # merging is a one-off; CPU memory is usually the larger pool
+    base = load_base(args.model_name_or_path, config, bits=16, device=device,
+                     trust_remote_code=args.trust_remote_code, quantize=False)
+    with _quiet_checkpointing_renames():
+        merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged.config.use_cache = True
+    merged.save_pretrained(merged_dir)
+    tokenizer.save_pretrained(merged_dir)
+
+
+def load_trained(output_dir: str, *, device: torch.device | str = "cpu", bits: int = 16):
+    """(model, tokenizer) of a finished run: its base with the run's RoPE settings plus the adapter."""
+    import json
+
+    from peft import PeftModel
+
+    with open(os.path.join(output_dir, "run_info.json")) as f:
+        info = json.load(f)
+    config = load_config(info["model_name_or_path"], info["trust_remote_code"])
+    if info["rope_parameters"] is not None:
+        config.rope_parameters = info["rope_parameters"]
+        config.max_position_embeddings = info["max_position_embeddings"]
+    device = torch.device(device)
+    base = load_base(info["model_name_or_path"], config, bits=bits, device=device,
+                     trust_remote_code=info["trust_remote_code"])
+    with _quiet_checkpointing_renames():
+        model = PeftModel.from_pretrained(base, output_dir)
+    return model, load_tokenizer(output_dir, info["trust_remote_code"])

@@ -1,0 +1,488 @@
+"""`python -m train.qlora`: long-context QLoRA fine-tuning on accelerate.
+
+    python -m train.qlora                                  # the embedded default run (tiny llama, passkey)
+    python -m train.qlora --config configs/llama-8b-64k.yaml
+    accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m train.qlora --config ...
+
+Order of work: every cheap check (flags, output dir, checkpoint, model config, family, positions,
+data) runs before any weights are loaded, so mistakes fail fast as one-line UserErrors.
+Then: base -> k-bit prep -> LoRA -> BPT patch (train.model), the loop, the final adapter.
+
+Files in --output_dir (written by the main process only): metrics.jsonl, checkpoint-N/,
+the final adapter (adapter_config.json, adapter_model.safetensors) and tokenizer, eval.json with
+--eval_passkey, merged/ with --merge, and run_info.json last: the marker that the run finished.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from train import checkpoint
+from train.args import TINY_LLAMA_DIR, Args, parse_args
+from train.errors import UserError
+
+METRICS_FILE = "metrics.jsonl"
+RUN_INFO_FILE = "run_info.json"  # written last: its presence means the run finished
+EVAL_FILE = "eval.json"
+EVAL_SEED = 12345  # passkey evaluation prompts, disjoint from the training data's seed stream
+# Test-only hooks: stop cleanly after a step (simulated interruption) / poison a step's loss.
+STOP_AFTER_ENV = "QLORA_TEST_STOP_AFTER_STEP"
+NAN_AT_ENV = "QLORA_TEST_NAN_AT_STEP"
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN/inf; the weights of that step were not updated and nothing was saved."""
+
+
+@dataclass
+class RunResult:
+    model: object  # the trained peft model (unwrapped from DDP)
+    tokenizer: object
+    losses: list[float] = field(default_factory=list)  # loss of every step this process ran
+    eval: dict | None = None
+
+
+# ---------------------------------------------------------------- checks before heavy work
+
+def check_tracker(report_to: str) -> None:
+    if report_to == "none":
+        return
+    if not any(importlib.util.find_spec(name) for name in TRACKER_PACKAGES[report_to]):
+        raise UserError(f"--report_to {report_to} needs the {report_to} package: pip install {report_to} "
+                        f"(or pass --report_to none)")
+
+
+def check_output_dir(args: Args) -> None:
+    """Refuse to clobber a finished run or an unfinished run's checkpoints unless told to."""
+    out = args.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"--output_dir {out} is a file; choose a directory")
+    if args.resume_from_checkpoint or args.overwrite_output_dir:
+        return
+    if os.path.isfile(os.path.join(out, RUN_INFO_FILE)):
+        raise UserError(f"--output_dir {out} already holds a finished run; pass --overwrite_output_dir to replace "
+                        "it or choose another --output_dir")
+    found = checkpoint.list_checkpoints(out)
+    if found:
+        raise UserError(f"--output_dir {out} holds checkpoints of an unfinished run ({os.path.basename(found[-1])}); "
+                        "pass --resume_from_checkpoint latest to continue it or --overwrite_output_dir to start over")
+
+
+def clear_previous_run(output_dir: str) -> None:
+    """--overwrite_output_dir: remove what an earlier run wrote (only our own files)."""
+    for path in checkpoint.list_checkpoints(output_dir) + [os.path.join(output_dir, "merged")]:
+        shutil.rmtree(path, ignore_errors=True)
+    for name in (RUN_INFO_FILE, METRICS_FILE, EVAL_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(output_dir, name))
+
+
+def load_data(args: Args, tokenizer):
+    from train.data import build_train_dataset, load_text_dataset
+
+    source = args.dataset
+    if source != "passkey" and args.dataset_split != "train":  # build_train_dataset loads the train split
+        source = load_text_dataset(args.dataset, split=args.dataset_split)
+    dataset = build_train_dataset(
+        tokenizer, source, max_seq_len=args.max_seq_len, text_field=args.text_field,
+        prompt_field=args.prompt_field, response_field=args.response_field, packing=args.packing,
+        num_proc=args.num_proc, seed=args.seed, passkey_samples=args.passkey_samples)
+    if len(dataset) == 0:
+        raise UserError(f"dataset {args.dataset} gives no training rows at --max_seq_len {args.max_seq_len}")
+    return dataset
+
+
+# ---------------------------------------------------------------- data order
+
+def epoch_order(n_rows: int, *, seed: int, epoch: int, rank: int, world_size: int) -> list[int]:
+    """This rank's row indices for an epoch: a permutation seeded by (seed, epoch) only, so a resumed
+    run reproduces it, padded to a multiple of world_size and strided across ranks (DistributedSampler)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(n_rows, generator=generator).tolist()
+    order += order[: (-n_rows) % world_size]  # every rank gets the same number of rows
+    return order[rank::world_size]
+
+
+def batches_per_epoch(n_rows: int, args: Args, world_size: int) -> int:
+    return math.ceil(math.ceil(n_rows / world_size) / args.per_device_train_batch_size)
+
+
+def step_groups(dataset, collator, args: Args, *, rank: int, world_size: int, epoch: int, batch: int):
+    """Yield (micro-batches of one optimizer step, data position after them), forever, from (epoch, batch).
+
+    An epoch's last step may have fewer than gradient_accumulation_steps micro-batches; the loss is
+    normalised by the step's token count, so it still weighs every token equally.
+    """
+    from torch.utils.data import DataLoader
+
+    bs, n_batches = args.per_device_train_batch_size, batches_per_epoch(len(dataset), args, world_size)
+    while True:
+        order = epoch_order(len(dataset), seed=args.seed, epoch=epoch, rank=rank, world_size=world_size)
+        # A private generator: starting an iterator draws a seed from it, and drawing from the global
+        # RNG instead would shift the dropout stream of a resumed run against the uninterrupted one.
+        loader = DataLoader(dataset, batch_size=bs, sampler=order[batch * bs:], collate_fn=collator,
+                            generator=torch.Generator().manual_seed(args.seed))
+        group = []
+        for micro in loader:
+            group.append(micro)
+            batch += 1
+            if len(group) == args.gradient_accumulation_steps or batch == n_batches:
+                yield group, ((epoch + 1, 0) if batch == n_batches else (epoch, batch))
+                group = []
+        epoch, batch = epoch + 1, 0
+
+
+def total_steps(n_rows: int, args: Args, world_size: int) -> int:
+    if args.max_steps > 0:
+        return args.max_steps
+    steps_per_epoch = math.ceil(batches_per_epoch(n_rows, args, world_size) / args.gradient_accumulation_steps)
+    return max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
+
+
+# ---------------------------------------------------------------- the loop
+
+def make_accelerator(args: Args):
+    from accelerate import Accelerator
+
+    precision = args.mixed_precision
+    if precision is None and "ACCELERATE_MIXED_PRECISION" not in os.environ:  # else: the launch config's
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    # cpu=True on machines without an accelerator: accelerate then sets up gloo DDP when launched with
+    # several processes (otherwise each process would silently train alone on the whole data).
+    no_accelerator = not (torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available())
+    return Accelerator(mixed_precision=precision, log_with=None if args.report_to == "none" else args.report_to,
+                       project_dir=args.output_dir, cpu=no_accelerator)
+
+
+def make_optimizer(model, args: Args):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.optim == "paged_adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.PagedAdamW8bit(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
+
+
+def make_scheduler(optimizer, args: Args, steps: int):
+    from transformers import get_scheduler  # imported late: it pulls in bitsandbytes, which is slow and chatty
+
+    return get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=args.warmup_steps,
+                         num_training_steps=steps)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _targets(batch: dict) -> torch.Tensor:
+    """Tokens the loss is computed on; causal LM losses shift labels, so position 0 never is one."""
+    return (batch["labels"][..., 1:] != -100).sum()
+
+
+def _tokens(batch: dict) -> torch.Tensor:
+    """Tokens processed, padding excluded."""
+    mask = batch.get("attention_mask")
+    return mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel())
+
+
+def train_step(model, group: list[dict], optimizer, scheduler, accelerator, args: Args, step: int):
+    """One optimizer step over the micro-batches in `group`. Returns (loss, tokens, grad_norm).
+
+    Each micro-batch loss is its summed token loss / the step's target count over all ranks
+    (num_items_in_batch), so the accumulated gradient is that of the step's mean token loss, whatever
+    the padding or micro-batch sizes. Raises TrainingDiverged before touching the weights.
+    """
+    device = accelerator.device
+    n_items = accelerator.reduce(sum(_targets(b) for b in group).to(device), "sum").clamp(min=1)
+    tokens = accelerator.reduce(sum(_tokens(b) for b in group).to(device), "sum")
+    total = torch.zeros((), device=device)
+    for i, micro in enumerate(group):
+        micro = {k: v.to(device) for k, v in micro.items()}
+        # Gradients are all-reduced only on the step's last micro-batch.
+        sync = contextlib.nullcontext() if i == len(group) - 1 else accelerator.no_sync(model)
+        with sync:
+            loss = model(**micro, num_items_in_batch=n_items).loss
+            # DDP averages gradients over ranks; the normalisation above already is global.
+            accelerator.backward(loss * accelerator.num_processes)
+        total += loss.detach().float()
+    loss = accelerator.reduce(total, "sum").item()
+    if os.environ.get(NAN_AT_ENV) == str(step):
+        loss = float("nan")
+    if not math.isfinite(loss):
+        optimizer.zero_grad(set_to_none=True)
+        raise TrainingDiverged(f"loss is {loss} at step {step}")
+    grad_norm = None
+    if args.max_grad_norm > 0:
+        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+    optimizer.step()
+    if not accelerator.optimizer_step_was_skipped:  # fp16 overflow: keep the schedule in step with updates
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, int(tokens.item()), grad_norm
+
+
+class MetricsLog:
+    """metrics.jsonl (+ trackers) on the main process; window averages between logged steps."""
+
+    def __init__(self, args: Args, accelerator, start_step: int):
+        self.path = os.path.join(args.output_dir, METRICS_FILE)
+        self.accelerator, self.every = accelerator, args.logging_steps
+        self.losses, self.tokens, self.seconds = [], 0, 0.0
+        if accelerator.is_main_process:
+            _truncate_metrics(self.path, start_step)
+
+    def add(self, step: int, loss: float, tokens: int, seconds: float, lr: float, grad_norm, last: bool) -> dict:
+        self.losses.append(loss)
+        self.tokens += tokens
+        self.seconds += seconds
+        window = {"loss": sum(self.losses) / len(self.losses), "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
+                  "peak_mem_mb": peak_memory_mb(self.accelerator.device)}
+        if step % self.every == 0 or last:
+            record = {"step": step, **window, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens}
+            if self.accelerator.is_main_process:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            self.accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+            self.losses, self.tokens, self.seconds = [], 0, 0.0
+        return window
+
+
+def _truncate_metrics(path: str, keep_through_step: int) -> None:
+    """Drop lines of steps after the resume point (an interrupted run may have logged past its checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_through_step]
+    with open(path, "w") as f:
+        f.writelines(lines)
+
+
+def save_checkpoint(accelerator, model, optimizer, scheduler, args: Args, step: int, position) -> str | None:
+    from accelerate.utils import gather_object
+
+    rng_states = gather_object([checkpoint.rng_state()])  # every rank's, so each resumes its own dropout stream
+    path = None
+    if accelerator.is_main_process:
+        path = checkpoint.save(args.output_dir, step, model=accelerator.unwrap_model(model), optimizer=optimizer,
+                               scheduler=scheduler, rng_states=rng_states, position=position,
+                               args_dict=args.to_dict(), world_size=accelerator.num_processes)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args: Args, *, start_step: int,
+               position: tuple[int, int], steps: int, last_checkpoint: str | None) -> list[float]:
+    from tqdm.auto import tqdm
+
+    from train.data import Collator
+
+    groups = step_groups(dataset, Collator(tokenizer.pad_token_id), args, rank=accelerator.process_index,
+                         world_size=accelerator.num_processes, epoch=position[0], batch=position[1])
+    metrics = MetricsLog(args, accelerator, start_step)
+    bar = tqdm(total=steps, initial=start_step, desc="train", dynamic_ncols=True,
+               disable=not accelerator.is_local_main_process)
+    stop_after = int(os.environ.get(STOP_AFTER_ENV, "0"))
+    losses = []
+    model.train()
+    for step in range(start_step + 1, steps + 1):
+        group, position = next(groups)
+        lr = scheduler.get_last_lr()[0]
+        started = time.perf_counter()
+        try:
+            loss, tokens, grad_norm = train_step(model, group, optimizer, scheduler, accelerator, args, step)
+        except TrainingDiverged as error:
+            bar.close()
+            keep = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
+            raise TrainingDiverged(f"{error}: training stopped without updating the weights or saving; {keep}. "
+                                   "Lower --learning_rate or check the data, then resume with "
+                                   "--resume_from_checkpoint latest") from None
+        losses.append(loss)
+        window = metrics.add(step, loss, tokens, time.perf_counter() - started, lr, grad_norm, last=step == steps)
+        bar.update(1)
+        bar.set_postfix(loss=f"{window['loss']:.4f}", tok_s=f"{window['tokens_per_s']:.0f}",
+                        mem=f"{window['peak_mem_mb']:.0f}MB")
+        if args.save_steps and step % args.save_steps == 0:
+            last_checkpoint = save_checkpoint(accelerator, model, optimizer, scheduler, args, step, position)
+        if step == stop_after:
+            bar.close()
+            print(f"stopping after step {step} ({STOP_AFTER_ENV})", file=sys.stderr)
+            sys.exit(3)
+    bar.close()
+    return losses
+
+
+# ---------------------------------------------------------------- evaluation and the final save
+
+def passkey_eval(model, tokenizer, args: Args) -> dict:
+    from train.eval import passkey_accuracy
+
+    lengths = args.eval_lengths or [args.max_seq_len]
+    return passkey_accuracy(model, tokenizer, lengths=lengths, depths=args.eval_depths, trials=args.eval_trials,
+                            seed=EVAL_SEED)
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> dict:
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        return json.load(f)
+    return {}
+
+
+@dataclass
+class Preflight:
+    """What the cheap checks established, before any weights are read."""
+
+    config: object  # the model config, RoPE scaling applied
+    tokenizer: object
+    rope_factor: float | None
+    resume_path: str | None
+
+
+def preflight(args: Args) -> Preflight:
+    """Every check that needs no weights, in the order a user would fix them. Raises UserError."""
+    from train.model import apply_rope_scaling, check_bpt_support, load_config, load_tokenizer
+
+    check_tracker(args.report_to)
+    check_output_dir(args)
+    resume_path = (checkpoint.resolve(args.resume_from_checkpoint, args.output_dir)
+                   if args.resume_from_checkpoint else None)
+    if args.model_name_or_path == str(TINY_LLAMA_DIR) and not TINY_LLAMA_DIR.is_dir():
+        raise UserError(f"the bundled tiny llama ({TINY_LLAMA_DIR}) has not been built: run python -m "
+                        "train.pretrain_tiny, or name a model with --model_name_or_path")
+    config = load_config(args.model_name_or_path, args.trust_remote_code)
+    if args.bpt:
+        check_bpt_support(config)
+    rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    return Preflight(config, tokenizer, rope_factor, resume_path)
+
+
+def start_position(accelerator, args: Args, resume_path: str | None, model, optimizer, scheduler):
+    """(step, (epoch, batch)) to start from: the checkpoint's when resuming, else a clean output_dir."""
+    start_step, position = 0, (0, 0)
+    if resume_path:
+        state = checkpoint.load(resume_path, model=accelerator.unwrap_model(model), optimizer=optimizer,
+                                scheduler=scheduler, rank=accelerator.process_index)
+        start_step, position = state["step"], (state["epoch"], state["batch"])
+        if accelerator.is_main_process:
+            print(f"resumed from {resume_path} at step {start_step}", file=sys.stderr)
+    elif accelerator.is_main_process and args.overwrite_output_dir:
+        clear_previous_run(args.output_dir)
+    if accelerator.is_main_process:
+        checkpoint.remove_leftovers(args.output_dir)
+    accelerator.wait_for_everyone()
+    return start_step, position
+
+
+def run(args: Args) -> RunResult:
+    """The whole run; returns the trained model (for in-process use and tests)."""
+    from accelerate.utils import set_seed
+
+    from train.model import build_model
+
+    started = time.time()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    plan = preflight(args)
+    tokenizer = plan.tokenizer
+    accelerator = make_accelerator(args)
+    main_process = accelerator.is_main_process
+    if plan.resume_path:
+        checkpoint.check_compatible(checkpoint.read_state(plan.resume_path), args, accelerator.num_processes,
+                                    plan.resume_path)
+    with accelerator.main_process_first():  # rank 0 fills the datasets cache, the others reuse it
+        dataset = load_data(args, tokenizer)
+    steps = total_steps(len(dataset), args, accelerator.num_processes)
+
+    set_seed(args.seed)
+    model, _handle = build_model(args, plan.config, accelerator.device)
+    optimizer = make_optimizer(model, args)
+    scheduler = make_scheduler(optimizer, args, steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if main_process:
+        print(f"trainable parameters: {sum(p.numel() for p in model.parameters() if p.requires_grad):,}; "
+              f"{len(dataset)} rows of {args.max_seq_len} tokens; {steps} steps on {accelerator.num_processes} "
+              f"process(es)" + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else ""),
+              file=sys.stderr)
+    os.makedirs(args.output_dir, exist_ok=True)
+    start_step, position = start_position(accelerator, args, plan.resume_path, model, optimizer, scheduler)
+    if args.report_to != "none":
+        accelerator.init_trackers("train.qlora", config={k: v for k, v in args.to_dict().items()
+                                                          if isinstance(v, (int, float, str, bool))})
+
+    eval_path = os.path.join(args.output_dir, EVAL_FILE)
+    evals = _read_json(eval_path) if plan.resume_path else {}  # a resumed run keeps its "before"
+    if args.eval_passkey and "before" not in evals:
+        evals["before"] = _evaluate(accelerator, model, tokenizer, args, "before", eval_path, evals)
+
+    losses = train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, start_step=start_step,
+                        position=position, steps=steps, last_checkpoint=plan.resume_path)
+    trained = accelerator.unwrap_model(model)
+    if main_process:
+        trained.save_pretrained(args.output_dir)
+        tokenizer.save_pretrained(args.output_dir)
+    if args.eval_passkey:
+        evals["after"] = _evaluate(accelerator, model, tokenizer, args, "after", eval_path, evals)
+    if main_process and args.merge:
+        from train.model import merge_adapter
+
+        merge_adapter(args, plan.config, args.output_dir, os.path.join(args.output_dir, "merged"), tokenizer)
+    if main_process:  # last: the marker that the run finished
+        _write_json(os.path.join(args.output_dir, RUN_INFO_FILE), {
+            "finished": True, "steps": steps, "final_loss": losses[-1] if losses else None,
+            "wall_time_s": round(time.time() - started, 1), "model_name_or_path": args.model_name_or_path,
+            "trust_remote_code": args.trust_remote_code, "bits": args.bits,
+            "rope_parameters": plan.config.rope_parameters if plan.rope_factor else None,
+            "max_position_embeddings": getattr(plan.config, "max_position_embeddings", None),
+            "eval": evals or None, "args": args.to_dict()})
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return RunResult(model=trained, tokenizer=tokenizer, losses=losses, eval=evals or None)
+
+
+def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict) -> dict | None:
+    """Passkey accuracy on the main process (the others wait: greedy decoding needs no data parallelism),
+    printed and written to eval.json under `when` ("before"/"after") beside the earlier results in `evals`."""
+    result = None
+    if accelerator.is_main_process:
+        result = passkey_eval(accelerator.unwrap_model(model), tokenizer, args)
+        lengths = ", ".join(f"{length}: {acc:.3f}" for length, acc in result["by_length"].items())
+        print(f"passkey accuracy {when} training: {result['accuracy']:.3f} (by length {lengths})", flush=True)
+        _write_json(eval_path, {**evals, when: result})
+    accelerator.wait_for_everyone()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run(parse_args(argv))
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
