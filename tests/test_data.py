@@ -135,6 +135,13 @@ def test_packing_exact_rows_positions_and_every_token(tok):
     assert all(flat_ids[j + 1] == tok.bos_token_id for j in eos_positions if j + 1 < len(flat_ids))
 
 
+def test_parallel_tokenization_matches_serial(tok):
+    ds = datasets.Dataset.from_dict({"text": [f"Document {i}: " + "word " * (i % 7) for i in range(40)]})
+    serial = build_train_dataset(tok, ds, max_seq_len=32)
+    parallel = build_train_dataset(tok, ds, max_seq_len=32, num_proc=2)
+    assert serial.to_dict() == parallel.to_dict()
+
+
 def test_packing_too_little_data(tok):
     with pytest.raises(UserError, match="smaller --max_seq_len"):
         build_train_dataset(tok, datasets.Dataset.from_dict({"text": ["hi"]}), max_seq_len=64)
@@ -203,9 +210,11 @@ def test_passkey_dataset_rows(tok):
         text = tok.decode(row["input_ids"], skip_special_tokens=True)
         key = text.split("The pass key is ")[1][:5]
         assert text.endswith(QUESTION + " " + key)
-    masked = passkey_dataset(tok, 1, 200, seed=1, answer_only_loss=True)[0]
-    assert [t for t in masked["labels"] if t != -100] == masked["input_ids"][-7:]  # " 12345" + EOS
-    assert build_train_dataset(tok, "passkey", max_seq_len=128, passkey_samples=3)["input_ids"][0].__len__() == 128
+        assert [t for t in row["labels"] if t != -100] == row["input_ids"][-7:]  # only " 12345" + EOS trained
+    full = passkey_dataset(tok, 1, 200, seed=1, answer_only_loss=False)[0]
+    assert full["labels"] == full["input_ids"] == ds[0]["input_ids"]
+    built = build_train_dataset(tok, "passkey", max_seq_len=128, passkey_samples=3)
+    assert len(built) == 3 and all(len(ids) == 128 for ids in built["input_ids"])
 
 
 def test_passkey_too_short(tok):

@@ -111,7 +111,7 @@ def test_cli_writes_json_and_reports_user_errors(random_model, tok, tmp_path, ca
     data.write_text("\n".join(json.dumps({"body": "Some held-out text number " + "x" * i}) for i in range(3)))
     out = tmp_path / "res.json"
     rc = main(["--model_name_or_path", str(model_dir), "--lengths", "120", "--depths", "0", "0.5", "--trials", "1",
-               "--rope_factor", "2", "--dataset", str(data), "--text_field", "body", "--output_json", str(out)])
+               "--rope_factor", "2", "--rope_type", "yarn", "--dataset", str(data), "--text_field", "body", "--output_json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(res["by_length_depth"]["120"]) == {"0.0", "0.5"} and res["perplexity"] > 1.0

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from probes import LargestOutput
 from torch.utils.checkpoint import checkpoint
 
 from bpt.loss import chunked_lm_loss
@@ -188,21 +188,6 @@ def test_bf16_sanity():
     _assert_close(grads, _grads(expected, wrt), rel=3e-2)
 
 
-class _LargestOutput(TorchDispatchMode):
-    """Records the largest number of elements any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_no_sequence_by_vocab_tensor_saved_or_created():
     head, hidden, labels = _head(), _hidden(), _labels()
     saved = []
@@ -211,7 +196,7 @@ def test_no_sequence_by_vocab_tensor_saved_or_created():
         saved.append(t.numel())
         return t
 
-    recorder = _LargestOutput()
+    recorder = LargestOutput()
     with recorder:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = chunked_lm_loss(hidden, head, labels, chunk=CHUNK)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from probes import LargestOutput
 from torch.utils.checkpoint import checkpoint
 
 from bpt.mlp import chunked_mlp
@@ -212,21 +212,6 @@ def test_bnb_4bit_base_with_lora():
     _check_against_plain(module)
 
 
-class _LargestOutput(TorchDispatchMode):
-    """Records the largest number of elements any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_no_sequence_by_intermediate_tensor_saved_or_created():
     module = _init(FAMILIES["llama"]())
     inputs = _inputs(module)
@@ -240,7 +225,7 @@ def test_no_sequence_by_intermediate_tensor_saved_or_created():
 
     for use_chunks, bound in ((False, B * N * I), (True, max(B * chunk * I, B * N * H))):
         saved.clear()
-        recorder = _LargestOutput()
+        recorder = LargestOutput()
         with recorder:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = _chunked(module, inputs, chunk) if use_chunks else module(*inputs)

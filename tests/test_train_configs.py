@@ -44,7 +44,7 @@ def test_default_yaml_is_the_embedded_default():
 def test_embedded_default_is_a_context_extension_of_the_packaged_tiny_llama():
     args = parse_args([])
     assert Path(args.model_name_or_path) == TINY_LLAMA_DIR and TINY_LLAMA_DIR.is_absolute()
-    assert args.dataset == "passkey" and args.rope_scaling == "linear" and args.bits == 4 and args.bpt
+    assert args.dataset == "passkey" and args.rope_scaling == "yarn" and args.bits == 4 and args.bpt
     if (TINY_LLAMA_DIR / "config.json").is_file():
         import json
 

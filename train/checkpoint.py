@@ -152,6 +152,8 @@ def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
+    from train.model import one_line
+
     state = read_state(path)
     try:
         weights = load_file(os.path.join(path, "adapter_model.safetensors"))
@@ -163,8 +165,7 @@ def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
         scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
         rng_states = torch.load(os.path.join(path, "rng_state.pt"), weights_only=False)
     except Exception as error:  # any unreadable or mismatched piece means the same thing to the user
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"cannot resume from {path}: {message}; the checkpoint is corrupt or from a run with other "
-                        "model/LoRA settings") from None
+        raise UserError(f"cannot resume from {path}: {one_line(error)}; the checkpoint is corrupt or from a run "
+                        "with other model/LoRA settings") from None
     set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
     return state

@@ -195,10 +195,12 @@ def _truncate(batch, *, max_seq_len):
 
 def build_train_dataset(tokenizer, source: str | datasets.Dataset, *, max_seq_len: int, text_field: str = "text",
                         prompt_field: str | None = None, response_field: str | None = None, packing: bool = True,
-                        num_proc: int | None = None, seed: int = 0, passkey_samples: int = 256) -> datasets.Dataset:
+                        num_proc: int | None = None, seed: int = 0, passkey_samples: int = 256,
+                        passkey_answer_only: bool = True) -> datasets.Dataset:
     """Rows of input_ids, labels, position_ids ready for Collator.
 
-    source "passkey" is the built-in synthetic passkey data (passkey_samples rows of max_seq_len tokens);
+    source "passkey" is the built-in synthetic passkey data (passkey_samples rows of max_seq_len tokens,
+    loss on the answer only unless passkey_answer_only=False; see train.passkey.passkey_dataset);
     otherwise a Dataset or anything load_text_dataset accepts. packing=True fills rows of exactly
     max_seq_len tokens with consecutive documents; packing=False keeps one document per row, truncated
     to max_seq_len (the collator pads).
@@ -208,7 +210,7 @@ def build_train_dataset(tokenizer, source: str | datasets.Dataset, *, max_seq_le
     if isinstance(source, str) and source == "passkey":
         from train.passkey import passkey_dataset
 
-        return passkey_dataset(tokenizer, passkey_samples, max_seq_len, seed)
+        return passkey_dataset(tokenizer, passkey_samples, max_seq_len, seed, answer_only_loss=passkey_answer_only)
     ds = load_text_dataset(source) if isinstance(source, str) else _non_empty(source, "(in memory)")
     tokenized = tokenize_dataset(tokenizer, ds, text_field=text_field, prompt_field=prompt_field,
                                  response_field=response_field, num_proc=num_proc, source=source if isinstance(source, str) else "(in memory)")

@@ -1,6 +1,6 @@
 """Long-context evaluation: passkey retrieval accuracy and long-document perplexity.
 
-    python -m train.eval --model_name_or_path M [--adapter DIR] [--rope_factor 4] [--lengths 256 1024]
+    python -m train.eval --model_name_or_path M [--adapter DIR] [--rope_factor 4 --rope_type yarn] [--lengths 256 1024]
         [--depths 0 0.5 1] [--trials N] [--dataset FILE --text_field text] [--max_seq_len N]
         [--output_json F]
 
@@ -59,6 +59,13 @@ def _passkey_cases(tokenizer, lengths, depths, trials: int, seed: int, key_digit
     return cases
 
 
+def check_passkey_lengths(tokenizer, lengths, key_digits: int = DEFAULT_KEY_DIGITS) -> None:
+    shortest = min_passkey_length(tokenizer, key_digits)
+    if min(lengths) < shortest:
+        raise UserError(f"passkey length {min(lengths)} is too short for this tokenizer; use lengths of at least "
+                        f"{shortest + 32} (the key line, question and answer alone take {shortest} tokens)")
+
+
 @torch.no_grad()
 def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed: int = 0,
                      batch_size: int = 8, key_digits: int = DEFAULT_KEY_DIGITS) -> dict:
@@ -67,10 +74,7 @@ def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed
     Returns {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc}, "accuracy": acc}.
     Prompts of equal token length are batched (no padding needed); batch_size bounds memory.
     """
-    shortest = min_passkey_length(tokenizer, key_digits)
-    if min(lengths) < shortest:
-        raise UserError(f"passkey length {min(lengths)} is too short for this tokenizer; use lengths of at least "
-                        f"{shortest + 32} (the key line, question and answer alone take {shortest} tokens)")
+    check_passkey_lengths(tokenizer, lengths, key_digits)
     cases = _passkey_cases(tokenizer, lengths, depths, trials, seed, key_digits)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     was_training = model.training
@@ -134,23 +138,32 @@ def perplexity(model, tokenizer, texts, *, max_seq_len: int) -> float:
     return math.exp(total_nll / total_tokens)
 
 
-def load_for_eval(model_name_or_path: str, *, adapter: str | None = None, rope_factor: float | None = None,
-                  load_in_4bit: bool = False):
-    """(model, tokenizer) for evaluation: optional linear RoPE scaling, 4-bit base, LoRA adapter."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def with_rope_scaling(config, factor: float, rope_type: str = "linear"):
+    """Scale a RoPE model's context by `factor` (the same change the trainer makes when extending it)."""
+    original = config.max_position_embeddings
+    params = {**(config.rope_parameters or {}), "rope_type": rope_type, "factor": float(factor)}
+    if rope_type != "linear":  # yarn / dynamic need the length the model was trained at
+        params["original_max_position_embeddings"] = original
+    config.rope_parameters = params
+    config.max_position_embeddings = int(original * factor)
+    return config
 
-    if _looks_local(model_name_or_path) and not Path(model_name_or_path).exists():
-        raise UserError(f"model directory {model_name_or_path} does not exist; check the path or pass a hub model name")
+
+def load_for_eval(model_name_or_path: str, *, adapter: str | None = None, rope_factor: float | None = None,
+                  rope_type: str = "linear", load_in_4bit: bool = False):
+    """(model, tokenizer) for evaluation: optional RoPE scaling, 4-bit base, LoRA adapter.
+
+    An adapter does not record the RoPE scaling it was trained with: pass the same factor and type."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(model_name_or_path, adapter)
     try:
         config = AutoConfig.from_pretrained(model_name_or_path)
-        tokenizer = AutoTokenizer.from_pretrained(adapter if adapter and _has_tokenizer(adapter) else model_name_or_path)
     except (OSError, ValueError) as e:
         raise UserError(f"could not load model '{model_name_or_path}' ({_first_line(e)}); pass a local model "
                         "directory or a hub model name") from None
     if rope_factor:
-        # Same scaling the trainer applies when extending the context; an adapter alone does not record it.
-        config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "linear", "factor": float(rope_factor)}
-        config.max_position_embeddings = int(config.max_position_embeddings * rope_factor)
+        with_rope_scaling(config, rope_factor, rope_type)
     use_cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if use_cuda else torch.float32
     kwargs = {"config": config, "dtype": dtype}
@@ -173,6 +186,20 @@ def load_for_eval(model_name_or_path: str, *, adapter: str | None = None, rope_f
     return model, tokenizer
 
 
+def load_tokenizer(model_name_or_path: str, adapter: str | None = None):
+    """The adapter directory's tokenizer if it saved one, else the base model's."""
+    from transformers import AutoTokenizer
+
+    if _looks_local(model_name_or_path) and not Path(model_name_or_path).exists():
+        raise UserError(f"model directory {model_name_or_path} does not exist; check the path or pass a hub model name")
+    source = adapter if adapter and _has_tokenizer(adapter) else model_name_or_path
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not load a tokenizer from '{source}' ({_first_line(e)}); pass a local model "
+                        "directory or a hub model name") from None
+
+
 def _looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).exists()
 
@@ -187,11 +214,12 @@ def _has_tokenizer(path: str) -> bool:
 
 
 def format_table(result: dict) -> str:
-    depths = next(iter(result["by_length_depth"].values())).keys()
-    header = "length | " + " | ".join(f"d={d:g}" for d in depths) + " | all"
+    depths = list(next(iter(result["by_length_depth"].values())))
+    names = [f"d={d:g}".rjust(4) for d in depths]
+    header = "length | " + " | ".join(names) + " |  all"
     lines = [header, "-" * len(header)]
     for length, row in result["by_length_depth"].items():
-        cells = " | ".join(f"{row[d]:.2f}".rjust(len(f"d={d:g}")) for d in depths)
+        cells = " | ".join(f"{row[d]:.2f}".rjust(len(n)) for d, n in zip(depths, names))
         lines.append(f"{length:>6} | {cells} | {result['by_length'][length]:.2f}")
     lines.append(f"passkey accuracy: {result['accuracy']:.3f}")
     return "\n".join(lines)
@@ -201,7 +229,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.eval", description="Passkey retrieval and long-document perplexity.")
     p.add_argument("--model_name_or_path", default=str(TINY_MODEL_DIR))
     p.add_argument("--adapter", default=None, help="LoRA adapter directory (a train.qlora output_dir)")
-    p.add_argument("--rope_factor", type=float, default=None, help="linear RoPE scaling factor the adapter was trained with")
+    p.add_argument("--rope_factor", type=float, default=None, help="RoPE scaling factor the adapter was trained with")
+    p.add_argument("--rope_type", default="linear", choices=["linear", "yarn", "dynamic"])
     p.add_argument("--load_in_4bit", action="store_true")
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
     p.add_argument("--depths", type=float, nargs="+", default=DEFAULT_DEPTHS)
@@ -219,8 +248,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict:
     if args.trials < 1 or any(length < 1 for length in args.lengths):
         raise UserError("--trials and every --lengths value must be positive integers")
+    # Check the lengths against the tokenizer before paying for loading the model.
+    check_passkey_lengths(load_tokenizer(args.model_name_or_path, args.adapter), args.lengths)
     model, tokenizer = load_for_eval(args.model_name_or_path, adapter=args.adapter,
-                                     rope_factor=args.rope_factor, load_in_4bit=args.load_in_4bit)
+                                     rope_factor=args.rope_factor, rope_type=args.rope_type,
+                                     load_in_4bit=args.load_in_4bit)
     result = passkey_accuracy(model, tokenizer, lengths=args.lengths, depths=args.depths,
                               trials=args.trials, seed=args.seed, batch_size=args.batch_size)
     print(format_table(result))

@@ -25,7 +25,8 @@ ROPE_EXTRA = {  # keys each scaling type needs besides rope_type, factor and rop
 }
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
+    """The first line of an error's message (UserErrors are printed as one line)."""
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
 
@@ -47,12 +48,12 @@ def load_config(name_or_path: str, trust_remote_code: bool):
         if "trust_remote_code" in str(error):
             raise UserError(f"model {name_or_path} needs its own code from the hub: review it, then add "
                             "--trust_remote_code") from None
-        raise UserError(f"cannot read the config of model {name_or_path}: {_one_line(error)}") from None
+        raise UserError(f"cannot read the config of model {name_or_path}: {one_line(error)}") from None
     except OSError as error:
         if os.path.isdir(local):
-            raise UserError(f"cannot read the config of model {name_or_path}: {_one_line(error)}") from None
+            raise UserError(f"cannot read the config of model {name_or_path}: {one_line(error)}") from None
         raise UserError(f"cannot load model {name_or_path}: not a local directory and not available from the hub "
-                        f"(offline or misspelled?): {_one_line(error)}") from None
+                        f"(offline or misspelled?): {one_line(error)}") from None
 
 
 def check_bpt_support(config) -> None:
@@ -62,7 +63,7 @@ def check_bpt_support(config) -> None:
     try:
         check_supported(config)
     except UnsupportedModelError as error:
-        message = _one_line(error)
+        message = one_line(error)
         if "--no_bpt" not in message:
             message += "; pass --no_bpt to train without the blockwise patch"
         raise UserError(message) from None
@@ -116,7 +117,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool):
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as error:
-        raise UserError(f"cannot load the tokenizer of {name_or_path}: {_one_line(error)}") from None
+        raise UserError(f"cannot load the tokenizer of {name_or_path}: {one_line(error)}") from None
     if tokenizer.pad_token is None:
         fallback = tokenizer.eos_token or tokenizer.unk_token
         if fallback is None:
@@ -151,7 +152,7 @@ def load_base(name_or_path: str, config, *, bits: int, device: torch.device, tru
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     except OSError as error:
-        raise UserError(f"cannot load the weights of {name_or_path}: {_one_line(error)}") from None
+        raise UserError(f"cannot load the weights of {name_or_path}: {one_line(error)}") from None
     if device.type != "cuda":
         model.to(device)
     keep_4bit_layout(model)
@@ -219,7 +220,7 @@ def build_model(args, config, device: torch.device):
             model = get_peft_model(model, lora_config(model, args))
         except ValueError as error:
             raise UserError(f"cannot apply LoRA with --lora_target_modules {' '.join(args.lora_target_modules)}: "
-                            f"{_one_line(error)}") from None
+                            f"{one_line(error)}") from None
     return model, patch(model, args)
 
 
@@ -234,7 +235,7 @@ def patch(model, args):
     try:
         return apply_bpt_patch(model, compile=args.bpt_compile, **options)
     except ValueError as error:  # impossible block sizes and the like
-        raise UserError(f"cannot apply the BPT patch: {_one_line(error)}") from None
+        raise UserError(f"cannot apply the BPT patch: {one_line(error)}") from None
 
 
 def merge_adapter(args, config, adapter_dir: str, merged_dir: str, tokenizer) -> None:

@@ -5,10 +5,11 @@ A prompt is filler text with one key line hidden at a chosen depth, then the que
     <filler> The pass key is 12345. Remember it. 12345 is the pass key. <filler>
     What is the pass key? The pass key is
 
-and the answer is " 12345". Everything is built in token space so that a prompt has an exact
-length: pieces (filler sentences, the key line, the question) are tokenized separately, each with a
-leading space, and concatenated. The filler is varied natural-ish sentences drawn from a small
-seeded grammar; it never contains digits, so the key is the only number in the context.
+and the answer is " 12345" (a training row then closes with EOS). Everything is built in token space
+so that a prompt has an exact length: pieces (filler sentences, the key line, the question) are
+tokenized separately, each with a leading space, and concatenated. The filler is varied natural-ish
+sentences drawn from a small seeded grammar; it never contains digits, so the key is the only number
+in the context.
 """
 from __future__ import annotations
 
@@ -176,11 +177,13 @@ def passkey_sample(tokenizer, length: int, seed, *, key_digits: int = DEFAULT_KE
 
 
 def passkey_dataset(tokenizer, n: int, length: int, seed: int, *, key_digits: int = DEFAULT_KEY_DIGITS,
-                    answer_only_loss: bool = False) -> datasets.Dataset:
+                    answer_only_loss: bool = True) -> datasets.Dataset:
     """n training rows of exactly `length` tokens: a passkey prompt, its answer, EOS.
 
-    Random keys and depths (uniform in [0, 1]). labels are the unshifted input_ids (the model shifts);
-    with answer_only_loss everything except the answer and EOS is -100.
+    Random keys and depths (uniform in [0, 1]). labels are the unshifted input_ids (the model shifts)
+    with the prompt masked (-100), as for any prompt/response pair: only the answer and EOS are trained.
+    answer_only_loss=False trains on every token instead; the answer is then ~0.5% of the loss at 1K
+    tokens, and extending the tiny model this way needs several times more steps.
     """
     rng = random.Random(seed)
     n_eos = len(_eos(tokenizer))
