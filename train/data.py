@@ -183,7 +183,7 @@ def pack(tokenized: datasets.Dataset, max_seq_len: int) -> datasets.Dataset:
     if not rows["input_ids"]:
         n_tokens = sum(len(x) for x in tokenized["input_ids"])
         raise UserError(f"the dataset has {n_tokens} tokens, fewer than one packed row of max_seq_len="
-                        f"{max_seq_len}; use a smaller --max_seq_len, more data, or --packing false")
+                        f"{max_seq_len}; use a smaller --max_seq_len, more data, or --no_packing")
     return datasets.Dataset.from_dict(rows)
 
 
