@@ -20,23 +20,12 @@ SEQ_LENS = [128, 256]
 SMALL_BLOCKS = ["--q_block", "64", "--kv_block", "64", "--mlp_chunk", "64", "--loss_chunk", "64"]
 
 
-def _patches_import_error() -> str | None:
-    try:
-        from patches import apply_bpt_patch  # noqa: F401
-    except ImportError as error:
-        return f"patches.apply_bpt_patch cannot be imported yet ({error})"
-    return None
-
-
-PATCHES_MISSING = _patches_import_error()
-SIDES = ["stock"] if PATCHES_MISSING else ["stock", "patched"]
+SIDES = ["stock", "patched"]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    """One sweep over the tiny preset, both sides when patches/ is importable, shared by the tests."""
-    if PATCHES_MISSING:
-        print(f"\nbench end-to-end runs the stock side only: {PATCHES_MISSING}")
+    """One sweep over the tiny preset, both sides, shared by the tests."""
     output = tmp_path_factory.mktemp("bench") / "tiny.json"
     bench.main(["--model", "tiny", "--seq_lens", *map(str, SEQ_LENS), "--sides", *SIDES,
                 "--steps", "1", "--threads", "1", "--device", "cpu", "--output", str(output), *SMALL_BLOCKS])
@@ -72,8 +61,6 @@ def test_csv_next_to_json(report):
 
 
 def test_patched_side_reported(report):
-    if PATCHES_MISSING:
-        pytest.skip(PATCHES_MISSING)
     data = json.loads(report.read_text())
     assert all(r["patched"] == (r["side"] == "patched") for r in data["runs"])
     for row in data["summary"]["rows"]:
