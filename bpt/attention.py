@@ -17,13 +17,24 @@ Semantics shared by every path:
                                                     later keys stay visible)
     padding_mask:    padding_mask[b, j]
     segment_ids:     segment_ids[b, p] == segment_ids[b, j]
-- Score: s = scale * q.k ; softcap: s = softcap * tanh(s / softcap) ; ALiBi: s += slope_h * (j - p).
+- Score: s = scale * q.k ; softcap: s = softcap * tanh(s / softcap) ; ALiBi: s += slope_h * (j - p) ;
+  key_bias: s += key_bias[b, h, j] (the same for every query: e.g. ALiBi on absolute key positions, rounded
+  as a model rounds it; the per-query part of ALiBi cancels in the softmax).
+- Dropout (training): out = (dropout(softmax(s))) @ v, as stock models apply nn.Dropout to the attention
+  probabilities: each probability is zeroed with probability `dropout` and survivors are scaled by
+  1 / (1 - dropout); the softmax normaliser counts every probability. On the blockwise path each block's
+  keep-mask is drawn from its own generator seeded by (dropout_seed, block), so backward replays it
+  exactly; the SDPA path uses SDPA's own dropout.
 - A query row with no visible key outputs exact zeros and gets zero gradients (stock kernels may give
   NaN or garbage there; models ignore those rows, e.g. left-padded queries).
-- Accumulation is fp32 whatever the input dtype (fp64 for fp64 inputs); the output has q's dtype.
+- Precision (the rules stock SDPA follows): under autocast, q/k/v are first cast to the autocast dtype
+  (SDPA is on autocast's lower-precision list, so stock attention sees the same inputs). The blockwise
+  path then runs with autocast off and computes scores, softmax statistics and accumulators in fp32
+  (fp64 for fp64 inputs): never less exact than a fused kernel. The output has the (cast) inputs' dtype.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +72,8 @@ class _Spec:
     acc_dtype: torch.dtype  # fp32, or fp64 for fp64 inputs
     groups: int  # query heads per key/value head
     use_compile: bool
+    dropout: float = 0.0
+    dropout_seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,7 +104,10 @@ def blockwise_attention(
     segment_ids: Tensor | None = None,
     sliding_window: int | None = None,
     alibi_slopes: Tensor | None = None,
+    key_bias: Tensor | None = None,
     softcap: float | None = None,
+    dropout: float = 0.0,
+    dropout_seed: int | None = None,
     q_block: int = 1024,
     kv_block: int = 1024,
     compile: bool | None = None,
@@ -99,19 +115,27 @@ def blockwise_attention(
     """Attention over q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] -> [B, Hq, Nq, Dv].
 
     Hq must be a multiple of Hkv (GQA / MQA; K/V are never repeated in memory). padding_mask [B, Nk]
-    (True / nonzero = real key), segment_ids [B, Nk] (packed documents), alibi_slopes [Hq]. See the
+    (True / nonzero = real key), segment_ids [B, Nk] (packed documents), alibi_slopes [Hq], key_bias
+    [B, Hq, Nk] (finite, no gradient; not together with alibi_slopes: it replaces them). See the
     module docstring for the exact masking and scoring rules. q_block / kv_block: tokens per block of
     the blockwise path (memory ~ B * Hq * q_block * kv_block scores per block). compile: torch.compile
-    the per-block math (None = only on CUDA, see bpt.compile).
+    the per-block math (None = only on CUDA, see bpt.compile). dropout: probability of dropping each
+    attention probability (pass it only in training); dropout_seed: the seed of the keep-masks (None: drawn
+    from torch's default generator, so torch.manual_seed makes runs repeatable).
     """
+    q, k, v = _autocast_inputs(q, k, v)
     _validate(q, k, v, scale, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap,
-              q_block, kv_block, compile)
+              q_block, kv_block, compile, key_bias, dropout)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    if _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap):
-        return _sdpa(q, k, v, scale, causal)
+    if key_bias is None and _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window,
+                                          alibi_slopes, softcap):
+        return _sdpa(q, k, v, scale, causal, dropout)
+    if dropout and dropout_seed is None:
+        dropout_seed = int(torch.randint(2 ** 62, (), dtype=torch.int64))
     return _blockwise(q, k, v, scale=scale, causal=causal, padding_mask=padding_mask,
                       segment_ids=segment_ids, sliding_window=sliding_window, alibi_slopes=alibi_slopes,
-                      softcap=softcap, q_block=q_block, kv_block=kv_block, compile=compile)
+                      softcap=softcap, q_block=q_block, kv_block=kv_block, compile=compile, key_bias=key_bias,
+                      dropout=float(dropout), dropout_seed=int(dropout_seed or 0))
 
 
 def segment_ids_from_position_ids(position_ids: Tensor) -> Tensor:
@@ -131,13 +155,39 @@ def segment_ids_from_position_ids(position_ids: Tensor) -> Tensor:
     return starts.long().cumsum(1) - 1
 
 
+def _autocast_inputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Cast q, k, v the way autocast casts SDPA's inputs (a no-op outside autocast).
+
+    Needed because models mix dtypes under autocast: RoPE multiplies the bf16 projections by fp32
+    cos/sin, so q and k arrive in fp32 next to a bf16 v. Like autocast, fp64 tensors are left alone.
+    """
+    device_type = q.device.type
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in (q, k, v))
+
+
+def _autocast_off(fn):
+    """Run a forward / backward with autocast off on its first tensor's device: the blockwise path
+    chooses every dtype itself, and an enclosing autocast (in forward, or around a backward call)
+    must not recast its matmuls to low precision."""
+    @functools.wraps(fn)
+    def wrapper(ctx, first: Tensor, *args):
+        with torch.autocast(device_type=first.device.type, enabled=False):
+            return fn(ctx, first, *args)
+
+    return wrapper
+
+
 # ----------------------------------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------------------------------
 
 
 def _validate(q, k, v, scale, padding_mask, segment_ids, window, slopes, softcap, q_block, kv_block,
-              compile):
+              compile, key_bias=None, dropout=0.0):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [batch, heads, seq, head_dim], got "
@@ -145,7 +195,8 @@ def _validate(q, k, v, scale, padding_mask, segment_ids, window, slopes, softcap
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them, or run "
+                         "under torch.autocast, which casts them as it casts SDPA's inputs")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     b, hq, _, d = q.shape
@@ -170,6 +221,8 @@ def _validate(q, k, v, scale, padding_mask, segment_ids, window, slopes, softcap
         raise ValueError(f"sliding_window must be an integer >= 1 or None, got {window!r}")
     if compile not in (None, True, False):
         raise ValueError(f"compile must be True, False or None (auto), got {compile!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
     for name, t in (("padding_mask", padding_mask), ("segment_ids", segment_ids)):
         if t is None:
             continue
@@ -191,6 +244,18 @@ def _validate(q, k, v, scale, padding_mask, segment_ids, window, slopes, softcap
             raise ValueError(f"alibi_slopes must be floating point, got {slopes.dtype}")
         if slopes.device != q.device:
             raise ValueError(f"alibi_slopes is on {slopes.device} but q is on {q.device}")
+    if key_bias is not None:
+        if slopes is not None:
+            raise ValueError("pass alibi_slopes or key_bias, not both (fold the slopes into key_bias)")
+        if not isinstance(key_bias, Tensor) or tuple(key_bias.shape) != (b, hq, nk):
+            raise ValueError(f"key_bias must be a [batch, q_heads, kv_len] = [{b}, {hq}, {nk}] tensor, got "
+                             f"{getattr(key_bias, 'shape', type(key_bias))}")
+        if not key_bias.is_floating_point():
+            raise ValueError(f"key_bias must be floating point, got {key_bias.dtype}")
+        if key_bias.device != q.device:
+            raise ValueError(f"key_bias is on {key_bias.device} but q is on {q.device}")
+        if key_bias.requires_grad:
+            raise ValueError("key_bias gets no gradient from blockwise_attention; pass key_bias.detach()")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -206,9 +271,9 @@ def _validate(q, k, v, scale, padding_mask, segment_ids, window, slopes, softcap
 #                                  1024                         5.0 s   182 MiB
 #                                  2048                         6.0 s   397 MiB
 # The CPU kernel takes GQA natively (enable_gqa: no repeat_interleave, dk/dv come back with Hkv heads;
-# repeating K/V by hand peaked at 151 MiB) and is picked for fp32/bf16/fp16/fp64 and any
-# head_dim. On CUDA, SDPA's GQA runs only in the flash kernel (torch docs); elsewhere it falls back to
-# the O(N^2) math kernel, so GQA dispatches only where flash applies.
+# repeating K/V by hand peaked at 151 MiB) and is picked for fp32/bf16/fp16/fp64 and any head_dim.
+# On CUDA, SDPA silently falls back to its O(N^2) math kernel when no fused kernel accepts the inputs,
+# so it is used only where torch's own predicates say a fused one (flash, cuDNN, memory-efficient) does.
 
 
 def _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, window, slopes, softcap) -> bool:
@@ -230,21 +295,25 @@ def _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, window, slopes, so
     if q.device.type == "cpu":
         return True
     if q.is_cuda:
-        return not gqa or _cuda_flash_applies(q)
+        return _cuda_fused_kernel_applies(q, k, v, causal and nq > 1, gqa)
     return False  # other backends: not measured
 
 
-def _cuda_flash_applies(q: Tensor) -> bool:
-    """Whether SDPA's CUDA flash kernel (the one that does GQA in O(N)) accepts these inputs."""
-    d = q.shape[-1]
-    return (q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0
-            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+def _cuda_fused_kernel_applies(q, k, v, is_causal: bool, gqa: bool) -> bool:
+    """Whether one of SDPA's fused CUDA kernels accepts these inputs, asked of torch itself."""
+    from torch.backends import cuda
+
+    params = cuda.SDPAParams(q, k, v, None, 0.0, is_causal, gqa)
+    checks = (cuda.flash_sdp_enabled, cuda.can_use_flash_attention), \
+        (cuda.cudnn_sdp_enabled, cuda.can_use_cudnn_attention), \
+        (cuda.mem_efficient_sdp_enabled, cuda.can_use_efficient_attention)
+    return any(enabled() and can_use(params, False) for enabled, can_use in checks)
 
 
-def _sdpa(q, k, v, scale, causal):
+def _sdpa(q, k, v, scale, causal, dropout):
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     is_causal = causal and q.shape[2] > 1
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout, **gqa)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -253,23 +322,27 @@ def _sdpa(q, k, v, scale, causal):
 
 
 def _blockwise(q, k, v, *, scale, causal, padding_mask, segment_ids, sliding_window, alibi_slopes,
-               softcap, q_block, kv_block, compile) -> Tensor:
+               softcap, q_block, kv_block, compile, key_bias=None, dropout=0.0, dropout_seed=0) -> Tensor:
     """The blockwise path, always (no fused-kernel dispatch). Inputs already validated."""
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     spec = _Spec(scale=float(scale), causal=bool(causal), window=sliding_window,
                  softcap=None if softcap is None else float(softcap), q_block=q_block, kv_block=kv_block,
                  offset=nk - nq, acc_dtype=torch.promote_types(q.dtype, torch.float32),
-                 groups=hq // hkv, use_compile=should_compile(compile, q))
+                 groups=hq // hkv, use_compile=should_compile(compile, q), dropout=dropout,
+                 dropout_seed=dropout_seed)
     if padding_mask is not None and padding_mask.dtype != torch.bool:
         padding_mask = padding_mask != 0
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(spec.acc_dtype).view(hkv, hq // hkv)  # [Hkv, G]
+    if key_bias is not None:  # takes the slopes' place (see _add_alibi_)
+        alibi_slopes = key_bias.to(spec.acc_dtype).reshape(b, hkv, hq // hkv, nk)  # [B, Hkv, G, Nk]
     return _BlockwiseAttention.apply(q, k, v, padding_mask, segment_ids, alibi_slopes, spec)
 
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
+    @_autocast_off
     def forward(ctx, q, k, v, padding_mask, segment_ids, slopes, spec: _Spec):
         b, hq, nq, d = q.shape
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -290,8 +363,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             l = q.new_zeros((bh, rows), dtype=acc_dtype)  # running sum of exp
             acc = q.new_zeros((bh, rows, dv), dtype=acc_dtype)  # running sum of p @ v
             for blk in blocks:
-                s_buf = work.get("s", (bh, rows, blk.j1 - blk.j0), qs)
-                _forward_step(qs, k3[:, blk.j0:blk.j1], v3[:, blk.j0:blk.j1], m, l, acc, s_buf,
+                shape = (bh, rows, blk.j1 - blk.j0)
+                _forward_step(qs, k3[:, blk.j0:blk.j1], v3[:, blk.j0:blk.j1], m, l, acc, work.get("s", shape, qs),
+                              _dropout_keep(spec, i0, blk.j0, shape, qs),
                               *_mask_args(spec, b, i0, i1, blk, padding_mask, segment_ids, slopes),
                               use_compile=spec.use_compile)
             out_b, lse_b = _finish_rows(m, l, acc)
@@ -303,6 +377,7 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_autocast_off
     def backward(ctx, dout):
         q3, k3, v3, out, lse, padding_mask, segment_ids, slopes = ctx.saved_tensors
         spec, plan = ctx.spec, ctx.plan
@@ -331,6 +406,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 _backward_step(qs, k3[:, blk.j0:blk.j1], v3[:, blk.j0:blk.j1], dob, neg_lse, neg_delta,
                                dqb, dk[:, blk.j0:blk.j1], dv[:, blk.j0:blk.j1],
                                work.get("s", shape, qs), work.get("ds", shape, qs),
+                               _dropout_keep(spec, i0, blk.j0, shape, qs),
                                *_mask_args(spec, b, i0, i1, blk, padding_mask, segment_ids, slopes),
                                use_compile=spec.use_compile)
             dq[:, :, i0:i1] = dqb.view(bh, g, i1 - i0, d)
@@ -435,8 +511,24 @@ def _mask_args(spec: _Spec, b: int, i0: int, i1: int, blk: _KVBlock, padding_mas
     pad_k = padding_mask[:, blk.j0:blk.j1] if blk.padding else None  # [B, bk]
     seg_q = segment_ids[:, p0:p0 + i1 - i0] if blk.segments else None  # [B, bq]
     seg_k = segment_ids[:, blk.j0:blk.j1] if blk.segments else None  # [B, bk]
+    if slopes is not None and slopes.dim() == 4:  # key_bias [B, Hkv, G, Nk] -> [B, Hkv, G, 1, bk]
+        slopes = slopes[:, :, :, None, blk.j0:blk.j1]
     return (blk.j0 - p0, blk.causal, spec.window if blk.window else None, slopes, pad_k, seg_q, seg_k,
             spec.softcap, spec.groups, b)
+
+
+def _dropout_keep(spec: _Spec, i0: int, j0: int, shape: tuple[int, ...], like: Tensor) -> Tensor | None:
+    """The scaled dropout keep-mask [BH, R, bk] of the block at query row i0 / key j0 (None without dropout).
+
+    Drawn from a generator seeded by (dropout_seed, i0, j0) alone, so backward redraws the same mask
+    and no mask is ever stored. Values: 0 (dropped) or 1 / (1 - dropout).
+    """
+    if not spec.dropout:
+        return None
+    generator = torch.Generator(device=like.device)
+    generator.manual_seed((spec.dropout_seed * 1_000_003 + i0) * 1_000_003 + j0 & (2 ** 63 - 1))
+    draw = torch.rand(shape, generator=generator, device=like.device, dtype=like.dtype)
+    return (draw >= spec.dropout).to(like.dtype).mul_(1.0 / (1.0 - spec.dropout))
 
 
 class _Workspace:
@@ -474,7 +566,13 @@ def _view5(s: Tensor, groups: int, batch: int) -> Tensor:
 
 
 def _add_alibi_(s5: Tensor, slopes: Tensor, rel0: int) -> None:
-    """s5 [B, Hkv, G, bq, bk] += slope * (key position - query position), in place."""
+    """s5 [B, Hkv, G, bq, bk] += slope * (key position - query position), in place.
+
+    `slopes` [Hkv, G], or a key_bias block [B, Hkv, G, 1, bk] (from _mask_args), added as it is.
+    """
+    if slopes.dim() == 5:
+        s5.add_(slopes)
+        return
     bq, bk = s5.shape[-2:]
     rel = (torch.arange(bk, device=s5.device, dtype=s5.dtype) + rel0).unsqueeze(0) \
         - torch.arange(bq, device=s5.device, dtype=s5.dtype).unsqueeze(1)  # [bq, bk]
@@ -507,13 +605,14 @@ def _either(a, b):
 
 
 @compilable
-def _forward_step(qs, kb, vb, m, l, acc, s_buf, rel0, causal, window, slopes, pad_k, seg_q, seg_k,
+def _forward_step(qs, kb, vb, m, l, acc, s_buf, keep, rel0, causal, window, slopes, pad_k, seg_q, seg_k,
                   softcap, groups, batch):
     """Fold one kv block into the running softmax stats (in place).
 
     qs [BH, R, D] pre-scaled query rows (R = G * bq), kb [BH, bk, D], vb [BH, bk, Dv];
     m, l [BH, R] running max / sum of exp; acc [BH, R, Dv] running sum of exp(s - m) @ v;
-    s_buf: None or a reusable [BH, R, bk] buffer for the scores.
+    s_buf: None or a reusable [BH, R, bk] buffer for the scores; keep: None or the block's scaled
+    dropout keep-mask [BH, R, bk].
     """
     s = torch.bmm(qs, kb.to(qs.dtype).transpose(1, 2), out=s_buf)  # [BH, R, bk]
     if softcap is not None:
@@ -529,19 +628,23 @@ def _forward_step(qs, kb, vb, m, l, acc, s_buf, rel0, causal, window, slopes, pa
     if hidden is not None:
         s5.masked_fill_(hidden, 0.0)
     alpha = (m - m_new).exp_()  # rescales what was accumulated under the old max
-    l.mul_(alpha).add_(p.sum(-1))
+    l.mul_(alpha).add_(p.sum(-1))  # the normaliser counts dropped probabilities too
+    if keep is not None:
+        p.mul_(keep)
     acc.mul_(alpha.unsqueeze(-1)).baddbmm_(p, vb.to(p.dtype))
     m.copy_(m_new)
 
 
 @compilable
-def _backward_step(qs, kb, vb, dob, neg_lse, neg_delta, dq, dk, dv, s_buf, ds_buf, rel0, causal, window,
+def _backward_step(qs, kb, vb, dob, neg_lse, neg_delta, dq, dk, dv, s_buf, ds_buf, keep, rel0, causal, window,
                    slopes, pad_k, seg_q, seg_k, softcap, groups, batch):
     """Add one block's gradient contributions into dq [BH, R, D], dk [BH, bk, D], dv [BH, bk, Dv].
 
     dob [BH, R, Dv] output-grad rows; neg_lse = -logsumexp, neg_delta = -rowsum(dO * O), both [BH, R].
     dq is w.r.t. the pre-scaled query (the caller multiplies by scale once); dk and dv sum over the
     query heads of a group through the rows of qs. s_buf / ds_buf: None or reusable [BH, R, bk] buffers.
+    keep: None or the forward's dropout keep-mask Z (scaled): dV = (P Z)^T dO, dP = (dO V^T) Z, and
+    delta = rowsum(dO * O) still equals rowsum(P * dP) because O was computed with the same Z.
     """
     kb, vb = kb.to(qs.dtype), vb.to(qs.dtype)
     dcap = None
@@ -558,9 +661,13 @@ def _backward_step(qs, kb, vb, dob, neg_lse, neg_delta, dq, dk, dv, s_buf, ds_bu
     hidden = _hidden(s5.shape[3], s5.shape[4], s.device, rel0, causal, window, pad_k, seg_q, seg_k)
     if hidden is not None:
         s5.masked_fill_(hidden, 0.0)
-    dv.baddbmm_(p.transpose(1, 2), dob)
-    # dS = P * (dP - delta), dP = dO @ V^T
-    ds = torch.baddbmm(neg_delta.unsqueeze(-1), dob, vb.transpose(1, 2), out=ds_buf).mul_(p)
+    # dS = P * (dP - delta), dP = dO @ V^T (times the keep-mask under dropout)
+    if keep is None:
+        dv.baddbmm_(p.transpose(1, 2), dob)
+        ds = torch.baddbmm(neg_delta.unsqueeze(-1), dob, vb.transpose(1, 2), out=ds_buf).mul_(p)
+    else:
+        ds = torch.bmm(dob, vb.transpose(1, 2), out=ds_buf).mul_(keep).add_(neg_delta.unsqueeze(-1)).mul_(p)
+        dv.baddbmm_(p.mul_(keep).transpose(1, 2), dob)
     if dcap is not None:
         ds.mul_(dcap)
     dq.baddbmm_(ds, kb)

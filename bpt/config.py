@@ -14,6 +14,9 @@ class BPTConfig:
     loss_chunk: tokens whose logits exist at one time in the LM head + cross entropy.
     compile: torch.compile the per-block functions; None means "where it was measured
         to help" (CUDA tensors), True forces it, False turns it off.
+    eval_logits: with labels in eval mode (`model.eval()`), also return the full logits, as stock
+        does (HF Trainer's evaluate / predict / compute_metrics need them; they cost N x vocab
+        memory). False keeps evaluation like training: loss only, logits None, O(N) memory.
     """
 
     q_block: int = 1024
@@ -21,6 +24,7 @@ class BPTConfig:
     mlp_chunk: int = 2048
     loss_chunk: int = 1024
     compile: bool | None = None
+    eval_logits: bool = True
 
     def __post_init__(self):
         for field in ("q_block", "kv_block", "mlp_chunk", "loss_chunk"):
@@ -29,6 +33,8 @@ class BPTConfig:
                 raise ValueError(f"BPT option {field} must be a positive integer number of tokens, got {value!r}")
         if self.compile not in (None, True, False):
             raise ValueError(f"BPT option compile must be True, False or None (auto), got {self.compile!r}")
+        if not isinstance(self.eval_logits, bool):
+            raise ValueError(f"BPT option eval_logits must be True or False, got {self.eval_logits!r}")
 
     @classmethod
     def from_options(cls, **options) -> "BPTConfig":

@@ -5,6 +5,14 @@ a time, in forward and in backward; the autograd graph keeps just the inputs. Th
 forward is called per chunk, so LoRA adapters, 4-bit layers, dropout and MoE routing keep working.
 Randomness (dropout, router jitter) is replayed exactly in the recompute by restoring the RNG state
 captured before the forward loop; the chunks run in the same order, so each draws the same numbers.
+
+Under gradient checkpointing the MLP forward runs twice per step, not three times. The inputs are saved
+by a separate identity node (`_SaveInputs`) placed *before* the chunked forward. torch's non-reentrant
+checkpoint stops its recompute as soon as the last tensor the layer saved has been recomputed; when
+nothing after the MLP in the layer saves a tensor (Llama-like layers end in a residual add), that last
+tensor is this input, and the recompute stops before re-running the MLP, whose own backward then
+recomputes each chunk once. Where later ops do save something (e.g. Gemma 2's post-MLP norm), the
+recompute continues through the MLP, as it must. Reentrant checkpointing always recomputes (3 forwards).
 """
 from __future__ import annotations
 
@@ -41,7 +49,12 @@ def chunked_mlp(forward: Callable, params: Sequence[torch.Tensor], *inputs: torc
     needs_grad = torch.is_grad_enabled() and (bool(trainable) or any(x.requires_grad for x in inputs))
     if not needs_grad:
         return _run_chunks(forward, inputs, chunk, copy_inputs=False)
-    return _ChunkedMLP.apply(forward, chunk, len(inputs), *inputs, *trainable)
+    saved = _SaveInputs.apply(*inputs)
+    if not isinstance(saved, tuple):
+        saved = (saved,)
+    # The save node exists only if some input requires grad; otherwise _ChunkedMLP saves the inputs itself.
+    saver = next((x.grad_fn for x in saved if x.grad_fn is not None), None)
+    return _ChunkedMLP.apply(forward, chunk, len(inputs), saver, *(saved if saver else inputs), *trainable)
 
 
 def _spans(length: int, chunk: int):
@@ -144,21 +157,38 @@ def _check_no_hidden_leaves(y: torch.Tensor, known: Sequence[torch.Tensor]):
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 
+class _SaveInputs(torch.autograd.Function):
+    """Identity on the chunked MLP's inputs that saves them, so that they are saved (and recomputed by a
+    checkpoint) before the chunked forward runs. Its outputs are views: _run_chunks copies each chunk."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.save_for_backward(*inputs)
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
 class _ChunkedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, chunk, n_inputs, *tensors):
+    def forward(ctx, forward, chunk, n_inputs, saver, *tensors):
         inputs, params = tensors[:n_inputs], tensors[n_inputs:]
-        ctx.forward, ctx.chunk, ctx.n_inputs = forward, chunk, n_inputs
+        ctx.forward, ctx.chunk, ctx.n_inputs, ctx.saver = forward, chunk, n_inputs, saver
         ctx.rng = _RngSnapshot(inputs)
         ctx.autocast = _autocast_state(inputs)
-        ctx.save_for_backward(*inputs, *params)  # inputs [B, N, ...]; params are the module's own tensors
+        # inputs [B, N, ...] are saved by the `saver` node when there is one. The parameters are the
+        # module's own tensors, alive anyway: kept as plain references, they add no saved tensor after
+        # the chunked forward (which would make a checkpoint's recompute run it again).
+        ctx.save_for_backward(*([] if saver else inputs))
+        ctx.params = params
         return _run_chunks(forward, inputs, chunk, copy_inputs=True)  # [B, N, ...]
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        inputs, params = saved[:ctx.n_inputs], saved[ctx.n_inputs:]
-        wants = ctx.needs_input_grad[3:3 + ctx.n_inputs]
+        inputs, params = (ctx.saver or ctx).saved_tensors, ctx.params
+        wants = ctx.needs_input_grad[4:4 + ctx.n_inputs]
         input_grads = [torch.empty_like(x) if want else None for x, want in zip(inputs, wants)]  # [B, N, ...]
         param_grads = [None] * len(params)
         with ctx.rng.replayed(), _autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
@@ -181,4 +211,4 @@ class _ChunkedMLP(torch.autograd.Function):
                     if param_grads[j] is None:  # our own buffer: g may alias a tensor autograd still holds
                         param_grads[j] = torch.zeros_like(params[j])
                     param_grads[j].add_(g)
-        return (None, None, None, *input_grads, *param_grads)
+        return (None, None, None, None, *input_grads, *param_grads)

@@ -11,13 +11,8 @@ ATTN_IMPLEMENTATION = "bpt"
 CONFIG_ATTR = "bpt_config"  # set on each patched attention module by apply_bpt_patch
 
 
-def attention_options(module: torch.nn.Module, dropout: float) -> BPTConfig:
-    """The module's BPT config; refuses what blockwise attention cannot reproduce."""
-    if dropout:
-        raise NotImplementedError(
-            f"attention dropout ({dropout}) is not supported by blockwise attention; set the model's "
-            "attention dropout to 0 (usual for fine-tuning) before training it patched"
-        )
+def attention_options(module: torch.nn.Module) -> BPTConfig:
+    """The BPT config apply_bpt_patch set on this attention module (defaults if none)."""
     return getattr(module, CONFIG_ATTR, None) or BPTConfig()
 
 
@@ -33,9 +28,9 @@ def mask_inputs(attention_mask) -> BlockMaskInputs:
 
 
 def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, softcap=None,
-                  alibi_slopes=None) -> torch.Tensor:
+                  alibi_slopes=None, key_bias=None) -> torch.Tensor:
     """query [B, Hq, Nq, D], key/value [B, Hkv, Nk, D] -> [B, Hq, Nq, D]."""
-    options = attention_options(module, dropout)
+    options = attention_options(module)
     mask = mask_inputs(attention_mask)
     return blockwise_attention(
         query, key, value,
@@ -45,7 +40,9 @@ def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, sca
         segment_ids=mask.segment_ids,
         sliding_window=mask.sliding_window,
         alibi_slopes=alibi_slopes,
+        key_bias=key_bias,
         softcap=softcap,
+        dropout=dropout,
         q_block=options.q_block,
         kv_block=options.kv_block,
         compile=options.compile,

@@ -14,7 +14,8 @@ from patches.families import Family
 def causal_lm_forward(model, original, family: Family, options: BPTConfig):
     """Replacement for `model.forward`. Without labels it is the stock forward (logits as usual);
     with labels it runs the base model and the chunked LM head + cross entropy, returning
-    `loss` with `logits=None`."""
+    `loss` with `logits=None`. In eval mode with `options.eval_logits`, labels too go through the
+    stock forward (logits and stock's loss), so evaluation metrics see what they see unpatched."""
     signature = inspect.signature(original)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     softcap = getattr(model.config, family.logit_softcap, None) if family.logit_softcap else None
@@ -26,6 +27,8 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
         labels = arguments.pop("labels", None)
         _check_positions(model, family, arguments)
         if labels is None and extra.get("shift_labels") is None:
+            return original(*args, **kwargs)
+        if options.eval_logits and not model.training:
             return original(*args, **kwargs)
         if arguments.get("output_router_logits") or getattr(model.config, "output_router_logits", False):
             raise NotImplementedError("the MoE router auxiliary loss is not computed by the patched loss; "

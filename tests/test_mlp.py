@@ -263,3 +263,33 @@ def test_non_tensor_output_raises():
     out = chunked_mlp(module.forward, list(module.gate_proj.parameters()), *inputs, chunk=CHUNK)
     with pytest.raises(RuntimeError, match="not passed in params"):  # up/down weights would get no grad
         out.sum().backward()
+
+
+@pytest.mark.parametrize("name,expected", [("llama", 2), ("gpt2", 2), ("bloom", 2), ("gemma2", 3)])
+def test_mlp_forwards_per_step_under_gradient_checkpointing(name, expected):
+    """Non-reentrant checkpointing stops its recompute at the chunked MLP's saved input, so the MLP runs twice
+    per step (forward, and the chunk recompute in its backward), not three times. Gemma 2's post-MLP norm saves
+    the MLP output, so its recompute must run the MLP (3). Gradients equal stock's either way."""
+    import copy
+
+    from patches import apply_bpt_patch
+    from test_patches import SMALL_BLOCKS, assert_grads_close, loss_and_grads, make_batch
+    from tiny_models import tiny_model
+
+    stock = tiny_model(name)
+    patched = copy.deepcopy(stock)
+    base = getattr(patched, "model", None) or patched.transformer
+    mlp = (getattr(base, "layers", None) or base.h)[0].mlp
+    calls = []
+    original = mlp.forward
+    mlp.forward = lambda *args: (calls.append(args[0].shape[1]), original(*args))[1]
+    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    for model in (stock, patched):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inputs = make_batch("right_padded")
+    stock_loss, stock_grads = loss_and_grads(stock, inputs)
+    patched_loss, patched_grads = loss_and_grads(patched, inputs)
+    chunks = -(-inputs["input_ids"].shape[1] // SMALL_BLOCKS["mlp_chunk"])
+    assert len(calls) == expected * chunks
+    assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
+    assert_grads_close(stock_grads, patched_grads)

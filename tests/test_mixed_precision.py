@@ -1,0 +1,179 @@
+"""Low precision the way users train: bf16 autocast over fp32 weights, and bf16 weights.
+
+The rule (DESIGN.md, precision): patched and stock are each compared with an fp32 reference, and the patched
+error must be no worse than about 1.5x stock's own error, on the loss and on every gradient. Errors of one
+batch are noise-dominated (stock sometimes lands within 1e-7 by luck), so each error is the RMS over several
+batches: the loss's relative error, and per parameter the Frobenius error relative to the reference's norm.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bpt.attention as attention_module
+from bpt import compile as bpt_compile
+from bpt.attention import blockwise_attention
+from patches import apply_bpt_patch
+from test_patches import SMALL_BLOCKS, loss_and_grads, make_batch
+from tiny_models import TINY_CONFIGS, tiny_model
+
+WORSE_AT_MOST = 1.5
+SEEDS = range(8)
+
+
+def _run(model, inputs, mode: str):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        return loss_and_grads(model, inputs)
+
+
+def low_precision_errors(name: str, kind: str, mode: str, checkpointing: bool = False, **overrides):
+    """-> {"loss": (patched, stock), parameter name: (patched, stock)} RMS errors against fp32."""
+    reference = tiny_model(name, **overrides)
+    stock, patched = copy.deepcopy(reference), copy.deepcopy(reference)
+    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    if mode == "bf16_weights":
+        stock.bfloat16(), patched.bfloat16()
+    if checkpointing:
+        for model in (stock, patched):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    squared = {"patched": {}, "stock": {}}
+    norms = {}
+    for seed in SEEDS:
+        inputs = make_batch(kind, seed=seed)
+        ref_loss, ref_grads = loss_and_grads(reference, inputs)
+        for side, model in (("stock", stock), ("patched", patched)):
+            loss, grads = _run(model, inputs, mode)
+            errors = squared[side]
+            errors["loss"] = errors.get("loss", 0.0) + ((loss.float() - ref_loss) / ref_loss).item() ** 2
+            assert grads.keys() == ref_grads.keys()
+            for param, ref in ref_grads.items():
+                errors[param] = errors.get(param, 0.0) + (grads[param].float() - ref).pow(2).sum().item()
+        norms["loss"] = len(SEEDS)
+        for param, ref in ref_grads.items():
+            norms[param] = norms.get(param, 0.0) + ref.pow(2).sum().item()
+    return {key: ((squared["patched"][key] / norms[key]) ** 0.5, (squared["stock"][key] / norms[key]) ** 0.5)
+            for key in norms}
+
+
+def assert_no_worse_than_stock(errors: dict):
+    worst = max(errors, key=lambda key: errors[key][0] / errors[key][1])
+    patched, stock = errors[worst]
+    assert stock > 0, f"{worst}: stock equals the fp32 reference exactly: the low precision did not apply"
+    assert patched <= WORSE_AT_MOST * stock, \
+        f"{worst}: patched error {patched:.3e} is {patched / stock:.2f}x stock's {stock:.3e}"
+
+
+@pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
+@pytest.mark.parametrize("kind", ["right_padded", "packed"])
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_low_precision_no_worse_than_stock(name, kind, mode):
+    assert_no_worse_than_stock(low_precision_errors(name, kind, mode))
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "falcon_alibi", "gpt2"])
+def test_low_precision_with_gradient_checkpointing(name):
+    assert_no_worse_than_stock(low_precision_errors(name, "right_padded", "autocast", checkpointing=True))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The kernel under autocast: mixed input dtypes, workspace on / off, compile on
+# ------------------------------------------------------------------------------------------------------
+
+
+def _attention_case(seed: int = 0):
+    """q, k in fp32 and v in bf16, as RoPE leaves them under autocast; right padding (blockwise path)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, 45, 16, generator=g)
+    k = torch.randn(2, 2, 45, 16, generator=g)
+    v = torch.randn(2, 2, 45, 16, generator=g).bfloat16()
+    padding = torch.ones(2, 45, dtype=torch.bool)
+    padding[0, -9:] = False
+    return q, k, v, padding
+
+
+def _stock_sdpa(q, k, v, padding):
+    """What stock transformers runs here: SDPA with a boolean causal + padding mask, GQA repeated."""
+    n = q.shape[2]
+    mask = torch.ones(n, n, dtype=torch.bool).tril() & padding[:, None, None, :]
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _with_grads(fn, q, k, v, padding):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fn(q, k, v, padding)
+    rows = padding[:, None, :, None].expand(out.shape)
+    grad = torch.linspace(-1, 1, out.numel()).view(out.shape) * rows
+    grads = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    return out.float() * rows, [g.float() for g in grads]
+
+
+def _blockwise(q, k, v, padding, **options):
+    return blockwise_attention(q, k, v, padding_mask=padding, q_block=16, kv_block=16, **options)
+
+
+@pytest.mark.parametrize("workspace", [True, False])
+def test_kernel_under_autocast_mixed_dtypes(monkeypatch, workspace):
+    """Autocast casts q, k, v as it casts SDPA's inputs (no dtype error), the output is bf16 like stock's,
+    and the error against fp64 is no worse than stock SDPA's; with the scratch workspace on or off."""
+    if not workspace:
+        monkeypatch.setattr(attention_module._Workspace, "get", lambda self, name, shape, like: None)
+    q, k, v, padding = _attention_case()
+    exact = _with_grads(lambda q, k, v, m: _blockwise(q.double(), k.double(), v.double(), m), q, k, v, padding)
+    stock = _with_grads(_stock_sdpa, q, k, v, padding)
+    patched = _with_grads(_blockwise, q, k, v, padding)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _blockwise(q, k, v, padding).dtype == torch.bfloat16
+    for (p, s, e) in zip([patched[0], *patched[1]], [stock[0], *stock[1]], [exact[0], *exact[1]]):
+        assert (p - e).norm() <= WORSE_AT_MOST * (s - e).norm()
+
+
+def test_kernel_compiled_under_autocast_equals_eager():
+    """compile=True (the CUDA default) under bf16 autocast: the same dtypes and results as eager."""
+    if bpt_compile.unavailable_reason("cpu"):
+        pytest.skip(f"torch.compile unavailable here: {bpt_compile.unavailable_reason('cpu')}")
+    q, k, v, padding = _attention_case()
+    eager = _with_grads(lambda *a: _blockwise(*a, compile=False), q, k, v, padding)
+    compiled = _with_grads(lambda *a: _blockwise(*a, compile=True), q, k, v, padding)
+    for c, e in zip([compiled[0], *compiled[1]], [eager[0], *eager[1]]):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_dtypes_without_autocast_say_what_to_do():
+    q, k, v, padding = _attention_case()
+    with pytest.raises(ValueError, match="run under torch.autocast"):
+        _blockwise(q, k, v, padding)
+
+
+# ------------------------------------------------------------------------------------------------------
+# bpt.compile: a known platform limitation falls back with one warning; other errors are not hidden
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_compile_unavailable_warns_once_and_runs_eagerly(monkeypatch):
+    monkeypatch.setattr(bpt_compile, "unavailable_reason", lambda device_type: "no C++ compiler (test)")
+    fn = bpt_compile.compilable(lambda x: x * 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(fn(torch.ones(3), use_compile=True), torch.full((3,), 2.0))
+        fn(torch.ones(3), use_compile=True)
+    assert [str(w.message) for w in caught if "no C++ compiler (test)" in str(w.message)].__len__() == 1
+
+
+def test_compile_errors_are_not_hidden(monkeypatch):
+    monkeypatch.setattr(bpt_compile, "unavailable_reason", lambda device_type: None)
+
+    def broken_compile(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("a real bug in the compiled function")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    fn = bpt_compile.compilable(lambda x: x)
+    with pytest.raises(RuntimeError, match="a real bug"):
+        fn(torch.ones(1), use_compile=True)
