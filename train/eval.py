@@ -1,10 +1,16 @@
 """Long-context evaluation: passkey retrieval accuracy and long-document perplexity.
 
-    python -m train.eval --model_name_or_path M [--adapter DIR] [--rope_factor 4 --rope_type yarn] [--lengths 256 1024]
-        [--depths 0 0.5 1] [--trials N] [--dataset FILE --text_field text] [--max_seq_len N]
-        [--output_json F]
+    python -m train.eval --adapter DIR                       # the model a train.qlora run trained, as it trained it
+    python -m train.eval --model_name_or_path M [--rope_scaling yarn --rope_factor 4] [--bits 4]
+        [--lengths 256 1024] [--depths 0 0.5 1] [--trials N] [--dataset FILE --text_field text]
+        [--max_seq_len N] [--output_json F]
 
-With no model named it evaluates the tiny model shipped in train/assets/tiny-llama.
+--adapter DIR reads the run's own files: its base model, RoPE scaling and bits from run_info.json (for
+a directory without one, such as checkpoint-N, the base from peft's adapter_config.json), and, unless
+given, the passkey settings of the run's own evaluation, so it reproduces eval.json's "after". Flags
+override the run; one that contradicts it prints a warning line. RoPE flags are applied by
+train.model's functions, exactly as training applies them. With neither --adapter nor a model named
+it evaluates the tiny model shipped in train/assets/tiny-llama.
 Both metrics work on a plain, a peft (LoRA) or a bitsandbytes 4-bit model.
 """
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import math
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -138,79 +145,136 @@ def perplexity(model, tokenizer, texts, *, max_seq_len: int) -> float:
     return math.exp(total_nll / total_tokens)
 
 
-def with_rope_scaling(config, factor: float, rope_type: str = "linear"):
-    """Scale a RoPE model's context by `factor` (the same change the trainer makes when extending it)."""
-    original = config.max_position_embeddings
-    params = {**(config.rope_parameters or {}), "rope_type": rope_type, "factor": float(factor)}
-    if rope_type != "linear":  # yarn / dynamic need the length the model was trained at
-        params["original_max_position_embeddings"] = original
-    config.rope_parameters = params
-    config.max_position_embeddings = int(original * factor)
-    return config
+# ---------------------------------------------------------------- what to evaluate
+
+@dataclass
+class EvalModel:
+    """The model to evaluate, settled before any weights are read."""
+
+    model_name_or_path: str  # the base
+    config: object  # RoPE scaling applied
+    bits: int
+    trust_remote_code: bool
+    tokenizer_source: str
+    run: object | None  # train.model.TrainedRun when --adapter is given
 
 
-def load_for_eval(model_name_or_path: str, *, adapter: str | None = None, rope_factor: float | None = None,
-                  rope_type: str = "linear", load_in_4bit: bool = False):
-    """(model, tokenizer) for evaluation: optional RoPE scaling, 4-bit base, LoRA adapter.
+def plan_model(args: argparse.Namespace) -> EvalModel:
+    """Base, RoPE scaling and bits: a run's own (--adapter), each replaced by its flag when given, with one
+    warning line per flag that contradicts what the run was trained with. Cheap: configs only."""
+    from train.model import load_config, read_run
 
-    An adapter does not record the RoPE scaling it was trained with: pass the same factor and type."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    tokenizer = load_tokenizer(model_name_or_path, adapter)
-    try:
-        config = AutoConfig.from_pretrained(model_name_or_path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"could not load model '{model_name_or_path}' ({_first_line(e)}); pass a local model "
-                        "directory or a hub model name") from None
-    if rope_factor:
-        with_rope_scaling(config, rope_factor, rope_type)
-    use_cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if use_cuda else torch.float32
-    kwargs = {"config": config, "dtype": dtype}
-    if load_in_4bit:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_compute_dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **kwargs)
-    if use_cuda and not load_in_4bit:
-        model = model.cuda()
-    if adapter:
-        from peft import PeftModel
-
-        try:
-            model = PeftModel.from_pretrained(model, adapter)
-        except (OSError, ValueError) as e:
-            raise UserError(f"could not load the LoRA adapter from '{adapter}' ({_first_line(e)}); pass the output "
-                            "directory of a train.qlora run") from None
-    return model, tokenizer
+    run = read_run(args.adapter, model_name_or_path=args.model_name_or_path) if args.adapter else None
+    fill_passkey_defaults(args, run.info if run else None)
+    if run is None:
+        base, trust_remote_code = args.model_name_or_path or str(TINY_MODEL_DIR), False
+        config = load_config(base, trust_remote_code)
+    else:
+        base, trust_remote_code, config = run.model_name_or_path, run.trust_remote_code, run.config
+        if run.info is None:
+            print(f"note: {args.adapter} has no run_info.json (not a finished train.qlora run), so the RoPE scaling "
+                  f"and bits it was trained with are unknown: evaluating it on {base} with the base's own RoPE and "
+                  "16-bit weights; pass --rope_scaling, --rope_factor and --bits as trained", file=sys.stderr)
+    if args.rope_scaling or args.rope_factor:
+        # From the base's own config, exactly as training scales it.
+        config = load_config(base, trust_remote_code)
+        _scale_rope(config, args, run)
+    bits = args.bits or (run.bits if run else 16)
+    if run is not None and run.info is not None:
+        _warn_contradictions(run, base, config, bits)
+    if run is not None:  # what load_run_model will load
+        run.config, run.bits = config, bits
+    args.model_name_or_path, args.bits = base, bits  # recorded in the output as evaluated
+    adapter_tokenizer = args.adapter and (Path(args.adapter) / "tokenizer_config.json").is_file()
+    return EvalModel(base, config, bits, trust_remote_code, args.adapter if adapter_tokenizer else base, run)
 
 
-def load_tokenizer(model_name_or_path: str, adapter: str | None = None):
-    """The adapter directory's tokenizer if it saved one, else the base model's."""
-    from transformers import AutoTokenizer
+def fill_passkey_defaults(args: argparse.Namespace, info: dict | None) -> None:
+    """Passkey settings not given as flags: those of the run's own evaluation when `info` (run_info.json)
+    has them, so `--adapter DIR` alone reproduces the run's eval.json "after"; else the defaults."""
+    from train.qlora import EVAL_SEED
 
-    if _looks_local(model_name_or_path) and not Path(model_name_or_path).exists():
-        raise UserError(f"model directory {model_name_or_path} does not exist; check the path or pass a hub model name")
-    source = adapter if adapter and _has_tokenizer(adapter) else model_name_or_path
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as e:
-        raise UserError(f"could not load a tokenizer from '{source}' ({_first_line(e)}); pass a local model "
-                        "directory or a hub model name") from None
-
-
-def _looks_local(name: str) -> bool:
-    return name.startswith((".", "/", "~")) or Path(name).exists()
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    trained = (info or {}).get("args") or {}
+    if "max_seq_len" in trained:
+        defaults = {"lengths": trained.get("eval_lengths") or [trained["max_seq_len"]],
+                    "depths": trained.get("eval_depths") or DEFAULT_DEPTHS,
+                    "trials": trained.get("eval_trials") or 5, "seed": EVAL_SEED}
+    else:
+        defaults = {"lengths": [256, 1024], "depths": DEFAULT_DEPTHS, "trials": 5, "seed": 0}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
-def _has_tokenizer(path: str) -> bool:
-    return (Path(path) / "tokenizer_config.json").is_file()
+def _scale_rope(config, args: argparse.Namespace, run) -> None:
+    """--rope_scaling / --rope_factor on the base config, through training's own set_rope_scaling."""
+    from train.model import set_rope_scaling
+
+    trained = (run.info or {}).get("rope_parameters") if run else None  # None: the run set no scaling
+    kind = args.rope_scaling or (trained or {}).get("rope_type")
+    if kind is None:
+        raise UserError("--rope_factor needs --rope_scaling (linear, dynamic, yarn or llama3)")
+    factor, original = args.rope_factor, getattr(config, "max_position_embeddings", None)
+    if factor is None and original:
+        # As training derives it from --max_seq_len: the longest evaluated length over the model's positions.
+        if max(args.lengths) <= original:
+            raise UserError(f"--rope_scaling {kind} without --rope_factor: the longest --lengths, {max(args.lengths)}, "
+                            f"fits the model's {original} positions, so no factor can be derived; give --rope_factor")
+        factor = max(args.lengths) / original
+    if factor is not None and factor < 1:
+        raise UserError(f"--rope_factor must be >= 1 (it stretches the positions), got {factor}")
+    # No check that --lengths fit the stretched positions: evaluating past them is a legitimate extrapolation test.
+    set_rope_scaling(config, kind, factor)
+
+
+def _rope_text(params: dict | None) -> str:
+    if not params or params.get("rope_type", "default") == "default":
+        return "no RoPE scaling"
+    factor = params.get("factor")
+    return f"RoPE {params['rope_type']}" + (f" x{factor:g}" if factor else "")
+
+
+def _same_model(a: str, b: str | None) -> bool:
+    local = [Path(x).expanduser() for x in (a, b or "")]
+    if all(path.exists() for path in local):
+        return local[0].resolve() == local[1].resolve()
+    return a == b
+
+
+def _warn_contradictions(run, base: str, config, bits: int) -> None:
+    """One warning line per flag that changes the model the run trained (run.config: the run's RoPE)."""
+    source = Path(run.adapter_dir) / "run_info.json"
+    lines = []
+    if not _same_model(base, run.trained_base):
+        lines.append(f"--model_name_or_path {base} replaces the base the run was trained on ({run.trained_base})")
+    if (config.rope_parameters, getattr(config, "max_position_embeddings", None)) != \
+            (run.config.rope_parameters, getattr(run.config, "max_position_embeddings", None)):
+        lines.append(f"the RoPE flags give {_rope_text(config.rope_parameters)}, the run was trained with "
+                     f"{_rope_text(run.config.rope_parameters)}")
+    if bits != run.bits:
+        lines.append(f"--bits {bits} loads the base unlike the run, which trained on {run.bits}-bit weights")
+    for text in lines:
+        print(f"warning: {text} (from {source}): this evaluates another model than the one trained", file=sys.stderr)
+
+
+def load_for_eval(args: argparse.Namespace):
+    """(model, tokenizer) that `args` name: for --adapter, the run's own model, loaded by train.model's code."""
+    from train.model import load_tokenizer
+
+    plan = plan_model(args)
+    tokenizer = load_tokenizer(plan.tokenizer_source, plan.trust_remote_code)
+    check_passkey_lengths(tokenizer, args.lengths)  # before paying for the weights
+    return _load_weights(plan), tokenizer
+
+
+def _load_weights(plan: EvalModel):
+    from train.model import load_base, load_run_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if plan.run is not None:
+        return load_run_model(plan.run, device)
+    return load_base(plan.model_name_or_path, plan.config, bits=plan.bits, device=device,
+                     trust_remote_code=plan.trust_remote_code)
 
 
 def format_table(result: dict) -> str:
@@ -226,16 +290,28 @@ def format_table(result: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from train.model import ROPE_EXTRA
+
     p = argparse.ArgumentParser(prog="python -m train.eval", description="Passkey retrieval and long-document perplexity.")
-    p.add_argument("--model_name_or_path", default=str(TINY_MODEL_DIR))
-    p.add_argument("--adapter", default=None, help="LoRA adapter directory (a train.qlora output_dir)")
-    p.add_argument("--rope_factor", type=float, default=None, help="RoPE scaling factor the adapter was trained with")
-    p.add_argument("--rope_type", default="linear", choices=["linear", "yarn", "dynamic"])
-    p.add_argument("--load_in_4bit", action="store_true")
-    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
-    p.add_argument("--depths", type=float, nargs="+", default=DEFAULT_DEPTHS)
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapter", default=None,
+                   help="output_dir of a train.qlora run (or a checkpoint-N): evaluates the model it trained, with the "
+                   "base, RoPE scaling and bits it records; the flags below override them")
+    p.add_argument("--model_name_or_path", default=None,
+                   help="base model (default: the run's with --adapter, else the shipped tiny model)")
+    p.add_argument("--rope_scaling", "--rope_type", dest="rope_scaling", default=None, choices=list(ROPE_EXTRA),
+                   help="RoPE scaling, applied as train.qlora applies it (default: the run's, else none)")
+    p.add_argument("--rope_factor", type=float, default=None,
+                   help="RoPE scaling factor (default with --rope_scaling: the longest --lengths over the model's "
+                   "positions, as training derives it from --max_seq_len)")
+    p.add_argument("--bits", type=int, default=None, choices=[4, 8, 16],
+                   help="base weights: 4 = NF4, 8 = int8, 16 = unquantised (default: the run's, else 16)")
+    p.add_argument("--load_in_4bit", dest="bits", action="store_const", const=4, help="same as --bits 4")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="passkey context lengths (default: the run's evaluation, else 256 1024)")
+    p.add_argument("--depths", type=float, nargs="+", default=None,
+                   help=f"passkey depths (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))})")
+    p.add_argument("--trials", type=int, default=None, help="trials per (length, depth) (default: the run's, else 5)")
+    p.add_argument("--seed", type=int, default=None, help="prompt seed (default: the run's evaluation seed, else 0)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--dataset", default=None, help="held-out documents for perplexity (local file/dir or hub name)")
     p.add_argument("--text_field", default="text")
@@ -246,13 +322,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.trials < 1 or any(length < 1 for length in args.lengths):
+    if (args.trials is not None and args.trials < 1) or any(length < 1 for length in args.lengths or []):
         raise UserError("--trials and every --lengths value must be positive integers")
-    # Check the lengths against the tokenizer before paying for loading the model.
-    check_passkey_lengths(load_tokenizer(args.model_name_or_path, args.adapter), args.lengths)
-    model, tokenizer = load_for_eval(args.model_name_or_path, adapter=args.adapter,
-                                     rope_factor=args.rope_factor, rope_type=args.rope_type,
-                                     load_in_4bit=args.load_in_4bit)
+    model, tokenizer = load_for_eval(args)
     result = passkey_accuracy(model, tokenizer, lengths=args.lengths, depths=args.depths,
                               trials=args.trials, seed=args.seed, batch_size=args.batch_size)
     print(format_table(result))
@@ -268,7 +340,10 @@ def run(args: argparse.Namespace) -> dict:
         result["perplexity"] = perplexity(model, tokenizer, texts, max_seq_len=max_seq_len)
         result["perplexity_max_seq_len"] = max_seq_len
         print(f"perplexity at {max_seq_len} tokens: {result['perplexity']:.3f}")
-    result["args"] = vars(args)
+    config = model.get_base_model().config if args.adapter else model.config
+    result["rope_parameters"] = config.rope_parameters
+    result["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
+    result["args"] = vars(args)  # as resolved: the run's base, bits and passkey settings filled in
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output_json, "w") as f:

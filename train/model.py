@@ -8,9 +8,11 @@ before any weights are read, so user mistakes fail in a second.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
@@ -83,13 +85,7 @@ def apply_rope_scaling(config, max_seq_len: int, kind: str | None, factor: float
                 f"scaling is set: add --rope_scaling linear (factor {max_seq_len / original:g} is derived) or lower "
                 f"--max_seq_len to {original}")
         return None
-    rope = getattr(config, "rope_parameters", None)
-    if original is None or not isinstance(rope, dict):
-        raise UserError(f"--rope_scaling needs a model with rotary position embeddings; {config.model_type} has "
-                        "none. Drop --rope_scaling and keep --max_seq_len within the model's positions")
-    if config.nested_rope_parameter_keys(rope):
-        raise UserError(f"--rope_scaling is not supported for {config.model_type}, whose RoPE differs per layer "
-                        "type; drop --rope_scaling")
+    _check_rotary(config)
     if factor is None:
         if max_seq_len <= original:
             warnings.warn(f"--max_seq_len {max_seq_len} fits the model's {original} positions: --rope_scaling "
@@ -99,6 +95,27 @@ def apply_rope_scaling(config, max_seq_len: int, kind: str | None, factor: float
     if max_seq_len > original * factor:
         raise UserError(f"--rope_factor {factor:g} stretches {original} positions to {original * factor:g}, fewer "
                         f"than --max_seq_len {max_seq_len}: raise it to {max_seq_len / original:g} or omit it")
+    set_rope_scaling(config, kind, factor)
+    return float(factor)
+
+
+def _check_rotary(config) -> None:
+    rope = getattr(config, "rope_parameters", None)
+    if getattr(config, "max_position_embeddings", None) is None or not isinstance(rope, dict):
+        raise UserError(f"--rope_scaling needs a model with rotary position embeddings; {config.model_type} has "
+                        "none. Drop --rope_scaling and keep --max_seq_len within the model's positions")
+    if config.nested_rope_parameter_keys(rope):
+        raise UserError(f"--rope_scaling is not supported for {config.model_type}, whose RoPE differs per layer "
+                        "type; drop --rope_scaling")
+
+
+def set_rope_scaling(config, kind: str, factor: float) -> None:
+    """Write RoPE scaling `kind` x `factor` onto the base model's `config` in place.
+
+    The one place that builds the scaled RoPE: training (apply_rope_scaling) and `train.eval` flags both
+    call it, so an evaluated model positions tokens exactly as the trained one did."""
+    _check_rotary(config)
+    rope, original = config.rope_parameters, config.max_position_embeddings
     if rope.get("rope_type", "default") != "default":
         warnings.warn(f"replacing the model's own {rope['rope_type']} RoPE scaling with {kind} x{factor:g}")
     params = {"rope_type": kind, "factor": float(factor), "rope_theta": rope.get("rope_theta", config.default_theta)}
@@ -110,7 +127,6 @@ def apply_rope_scaling(config, max_seq_len: int, kind: str | None, factor: float
         # Dynamic NTK computes its stretch relative to max_position_embeddings, so that must stay the
         # original length; the others now position original * factor tokens.
         config.max_position_embeddings = math.ceil(original * factor)
-    return float(factor)
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool):
@@ -252,21 +268,88 @@ def merge_adapter(args, config, adapter_dir: str, merged_dir: str, tokenizer) ->
     tokenizer.save_pretrained(merged_dir)
 
 
-def load_trained(output_dir: str, *, device: torch.device | str = "cpu", bits: int = 16):
-    """(model, tokenizer) of a finished run: its base with the run's RoPE settings plus the adapter."""
-    import json
+RUN_INFO_FILE = "run_info.json"  # what train.qlora writes last into --output_dir (train/qlora.py RUN_INFO_FILE)
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's
 
-    from peft import PeftModel
 
-    with open(os.path.join(output_dir, "run_info.json")) as f:
-        info = json.load(f)
-    config = load_config(info["model_name_or_path"], info["trust_remote_code"])
-    if info["rope_parameters"] is not None:
+@dataclass
+class TrainedRun:
+    """What rebuilding a run's model takes, read from its output_dir before any weights are loaded."""
+
+    adapter_dir: str
+    model_name_or_path: str  # the base to load
+    trained_base: str  # the base the run recorded (differs from the above when the caller replaced it)
+    config: object  # the base's config with the run's RoPE scaling on it
+    bits: int
+    trust_remote_code: bool
+    info: dict | None  # run_info.json; None for an adapter directory without one (e.g. a checkpoint-N)
+
+
+def read_run(output_dir: str, *, model_name_or_path: str | None = None) -> TrainedRun:
+    """The base model, RoPE scaling and bits a run used, from its own files (cheap: no weights).
+
+    run_info.json (written by train.qlora when a run finishes) records all three. Without it (a
+    checkpoint-N, an adapter trained elsewhere) the base is peft's adapter_config.json
+    base_model_name_or_path, with the base's own RoPE and 16 bits. `model_name_or_path` replaces the base."""
+    if not os.path.isdir(output_dir):
+        raise UserError(f"adapter directory {output_dir} does not exist; pass the --output_dir of a train.qlora run")
+    info = _read_json(os.path.join(output_dir, RUN_INFO_FILE))
+    adapter_config = _read_json(os.path.join(output_dir, ADAPTER_CONFIG_FILE))
+    if adapter_config is None:
+        raise UserError(f"{output_dir} holds no LoRA adapter (no {ADAPTER_CONFIG_FILE}); pass the --output_dir of a "
+                        "finished train.qlora run or one of its checkpoint-N directories")
+    recorded = (info or {}).get("model_name_or_path") or adapter_config.get("base_model_name_or_path")
+    base = model_name_or_path or recorded
+    if not base:
+        raise UserError(f"{output_dir} does not say which base model it adapts; pass --model_name_or_path")
+    trust_remote_code = bool((info or {}).get("trust_remote_code", False))
+    try:
+        config = load_config(base, trust_remote_code)
+    except UserError as error:
+        if model_name_or_path:
+            raise
+        source = RUN_INFO_FILE if info else ADAPTER_CONFIG_FILE
+        raise UserError(f"{error} (the base recorded in {os.path.join(output_dir, source)}; pass "
+                        "--model_name_or_path to name where it is now)") from None
+    if info and info.get("rope_parameters") is not None:
         config.rope_parameters = info["rope_parameters"]
         config.max_position_embeddings = info["max_position_embeddings"]
-    device = torch.device(device)
-    base = load_base(info["model_name_or_path"], config, bits=bits, device=device,
-                     trust_remote_code=info["trust_remote_code"])
-    with _quiet_checkpointing_renames():
-        model = PeftModel.from_pretrained(base, output_dir)
-    return model, load_tokenizer(output_dir, info["trust_remote_code"])
+    bits = int((info or {}).get("bits", 16))
+    return TrainedRun(output_dir, base, recorded, config, bits, trust_remote_code, info)
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot read {path}: {one_line(error)}") from None
+
+
+def load_run_model(run: TrainedRun, device: torch.device | str = "cpu"):
+    """The run's base (its config, quantised to run.bits) with the adapter on it."""
+    from peft import PeftModel
+
+    base = load_base(run.model_name_or_path, run.config, bits=run.bits, device=torch.device(device),
+                     trust_remote_code=run.trust_remote_code)
+    try:
+        with _quiet_checkpointing_renames():
+            return PeftModel.from_pretrained(base, run.adapter_dir)
+    except RuntimeError as error:  # the state dict does not fit: another base than the one trained
+        if "size mismatch" not in str(error):
+            raise
+        raise UserError(f"the adapter in {run.adapter_dir} does not fit base model {run.model_name_or_path} (its "
+                        "weights have other shapes); use the base it was trained on") from None
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot load the LoRA adapter in {run.adapter_dir}: {one_line(error)}") from None
+
+
+def load_trained(output_dir: str, *, device: torch.device | str = "cpu", bits: int | None = None):
+    """(model, tokenizer) of a finished run: its base with the run's RoPE settings plus the adapter,
+    quantised as in the run unless `bits` says otherwise."""
+    run = read_run(output_dir)
+    if bits is not None:
+        run.bits = bits
+    return load_run_model(run, device), load_tokenizer(output_dir, run.trust_remote_code)
