@@ -2,6 +2,18 @@
 
 Every change is recorded on a handle as an undo step, so `handle.remove()` restores exactly the
 stock model (the same bound methods, the same attention implementation).
+
+Lifecycle rules (what a notebook that re-runs cells needs):
+- One live handle per target. A model has at most one patch handle, and the loaders
+  (`apply_bpt_patch()` with no model) at most one. Applying again returns that same handle: unchanged
+  if the options are the same, re-patched with the new options if they differ. So re-running a cell
+  is harmless, and one `remove()` on any handle variable that cell produced restores stock.
+- Atomic: if patching raises midway (any exception, KeyboardInterrupt included), everything it had
+  changed is undone before the exception propagates; the model is exactly as it was before the call
+  (stock, or still patched with its previous options when re-patching).
+- `remove()` undoes exactly what its handle recorded, in reverse order, and is idempotent. Removing
+  the loaders' handle restores `PreTrainedModel.from_pretrained` / `_from_config` to the original
+  objects and unpatches the models they patched; models loaded afterwards are stock.
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ from patches.masks import bpt_mask
 
 _HANDLE_ATTR = "_bpt_patch_handle"
 
+
 # Registering a name is global and harmless; a model uses it only once its config names it.
 AttentionInterface.register(ATTN_IMPLEMENTATION, bpt_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, bpt_mask)
@@ -29,11 +42,18 @@ assert ATTN_IMPLEMENTATION in ALL_ATTENTION_FUNCTIONS and ATTN_IMPLEMENTATION in
 
 
 class BPTPatchHandle:
-    """Undo log of one `apply_bpt_patch` call. Use `remove()` (or `with apply_bpt_patch(...):`)."""
+    """Undo log of one patch (a model's, or the loaders'). Use `remove()` (or `with apply_bpt_patch(...):`).
+
+    `options` are the BPTConfig the patch runs with; `active` is False once removed.
+    """
 
     def __init__(self, options: BPTConfig):
         self.options = options
         self._undo: list = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._undo)
 
     def set(self, obj, name: str, value):
         """setattr that remembers whether `obj` had its own attribute and what it was."""
@@ -54,14 +74,25 @@ class BPTPatchHandle:
         self._undo.append(undo)
 
     def remove(self):
+        """Undo every recorded change, newest first. Idempotent. If an undo step raises, the others
+        still run and the first error is raised at the end."""
+        error = None
         while self._undo:
-            self._undo.pop()()
+            try:
+                self._undo.pop()()
+            except BaseException as exc:  # noqa: BLE001 - keep undoing, re-raise below
+                error = error or exc
+        if error is not None:
+            raise error
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.remove()
+
+    def __repr__(self):
+        return f"BPTPatchHandle({'active' if self.active else 'removed'}, {self.options})"
 
 
 def unwrap(model):
@@ -98,15 +129,45 @@ def apply_bpt_patch(model=None, **options) -> BPTPatchHandle:
 
     Options: q_block, kv_block, mlp_chunk, loss_chunk (tokens), compile (None = auto). With labels
     the patched model returns the loss and `logits=None`: full logits are never materialised.
+
+    Calling it again on the same target returns the same handle (re-patched if the options differ);
+    a failure midway leaves the target exactly as it was. See the module docstring.
     """
     config = BPTConfig.from_options(**options)
     if model is None:
         return _patch_models_loaded_later(config)
     hf_model = unwrap(model)
-    if is_patched(hf_model):
-        raise ValueError("this model is already patched; call remove() on its handle before patching again")
     family = check_supported(hf_model.config)
-    handle = BPTPatchHandle(config)
+    handle = vars(hf_model).get(_HANDLE_ATTR)
+    if handle is None:
+        handle = BPTPatchHandle(config)
+        _patch_atomically(hf_model, family, handle)
+        return handle
+    if handle.options == config:
+        return handle
+    previous = handle.options
+    handle.remove()  # re-patch with the new options, under the same handle
+    try:
+        handle.options = config
+        _patch_atomically(hf_model, family, handle)
+    except BaseException:
+        handle.options = previous  # back to the state before this call
+        _patch_atomically(hf_model, family, handle)
+        raise
+    return handle
+
+
+def _patch_atomically(hf_model, family: Family, handle: BPTPatchHandle):
+    """Record every change of one model's patch on `handle`; on any exception undo them all."""
+    try:
+        _patch_model(hf_model, family, handle)
+    except BaseException:
+        handle.remove()
+        raise
+
+
+def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
+    config = handle.options
     base = getattr(hf_model, family.base)
     for layer in getattr(base, family.layers):
         attention = getattr(layer, family.attention)
@@ -117,8 +178,7 @@ def apply_bpt_patch(model=None, **options) -> BPTPatchHandle:
         handle.set(mlp, "forward", _chunked_mlp_forward(mlp, mlp.forward, config.mlp_chunk))
     handle.set(hf_model.config, "_attn_implementation", ATTN_IMPLEMENTATION)
     handle.set(hf_model, "forward", causal_lm_forward(hf_model, hf_model.forward, family, config))
-    handle.set(hf_model, _HANDLE_ATTR, handle)
-    return handle
+    handle.set(hf_model, _HANDLE_ATTR, handle)  # last: is_patched is True only for a complete patch
 
 
 def _chunked_mlp_forward(module, original, chunk: int):
@@ -132,31 +192,46 @@ def _chunked_mlp_forward(module, original, chunk: int):
     return forward
 
 
+class _Loaders:
+    """Holds the loaders' live handle (`handle` attribute, set and removed through that handle's log)."""
+
+
+_LOADERS = ("from_pretrained", "_from_config")
+
+
 def _patch_models_loaded_later(config: BPTConfig) -> BPTPatchHandle:
-    """Wrap PreTrainedModel.from_pretrained / _from_config so each causal LM they return is patched."""
+    """Wrap PreTrainedModel.from_pretrained / _from_config so each causal LM they return is patched with
+    the live handle's options (the newest ones: applying again with other options updates them)."""
+    handle = vars(_Loaders).get("handle")
+    if handle is not None:
+        handle.options = config  # later loads use the new options; models already loaded keep theirs
+        return handle
     handle = BPTPatchHandle(config)
     model_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def patch_loaded(model):
         family = FAMILIES.get(getattr(model.config, "model_type", None))
         if family is not None and hasattr(model, family.head) and hasattr(model, family.base):
-            model_handles[model] = apply_bpt_patch(model, **vars(config))
+            model_handles[model] = apply_bpt_patch(model, **vars(handle.options))
         elif family is None and any(word in type(model).__name__ for word in ("CausalLM", "LMHead")):
             family_of(model.config)  # raises UnsupportedModelError naming the supported families
         return model  # anything else (encoders, base models) is left alone
-
-    for name in ("from_pretrained", "_from_config"):
-        loader = vars(PreTrainedModel)[name].__func__
-
-        def patched_loader(cls, *args, __loader=loader, **kwargs):
-            return patch_loaded(__loader(cls, *args, **kwargs))
-
-        handle.set(PreTrainedModel, name, classmethod(patched_loader))
 
     def remove_model_patches():
         for model_handle in list(model_handles.values()):
             model_handle.remove()
 
-    handle._undo.insert(0, remove_model_patches)  # runs last: after the loaders are restored
-    return handle
+    handle._undo.append(remove_model_patches)  # first in the log: runs last, after the loaders are restored
+    try:
+        for name in _LOADERS:
+            loader = vars(PreTrainedModel)[name].__func__
 
+            def patched_loader(cls, *args, __loader=loader, **kwargs):
+                return patch_loaded(__loader(cls, *args, **kwargs))
+
+            handle.set(PreTrainedModel, name, classmethod(patched_loader))
+        handle.set(_Loaders, "handle", handle)
+    except BaseException:
+        handle.remove()
+        raise
+    return handle

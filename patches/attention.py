@@ -18,7 +18,7 @@ def attention_options(module: torch.nn.Module) -> BPTConfig:
 
 def mask_inputs(attention_mask) -> BlockMaskInputs:
     if attention_mask is None:  # a caller that skipped mask creation: plain causal
-        return BlockMaskInputs(None, None, None, 0, 0)
+        return BlockMaskInputs(None, None, None)
     if not isinstance(attention_mask, BlockMaskInputs):
         raise TypeError(
             f"blockwise attention got a {type(attention_mask).__name__} mask; patched models build their own "
@@ -29,9 +29,16 @@ def mask_inputs(attention_mask) -> BlockMaskInputs:
 
 def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, softcap=None,
                   alibi_slopes=None, key_bias=None) -> torch.Tensor:
-    """query [B, Hq, Nq, D], key/value [B, Hkv, Nk, D] -> [B, Hq, Nq, D]."""
+    """query [B, Hq, Nq, D], key/value [B, Hkv, Nk, D] -> [B, Hq, Nq, D]; key_bias [B, Hq, Nk].
+
+    Only the keys the mask says are in use take part: a static cache hands attention all of its
+    `max_cache_len` slots, of which the first `mask.kv_length` are filled (see BlockMaskInputs).
+    """
     options = attention_options(module)
     mask = mask_inputs(attention_mask)
+    key, value = mask.keys_in_use(key), mask.keys_in_use(value)
+    if key_bias is not None:
+        key_bias = mask.keys_in_use(key_bias, dim=-1)
     return blockwise_attention(
         query, key, value,
         scale=scaling,

@@ -3,14 +3,26 @@ inside their own forward instead of going through AttentionInterface (Bloom, Fal
 
 Each binder returns the replacement forward for one attention module; apply.py records the
 binding so remove() restores the module's own forward.
+
+ALiBi is taken from the `alibi` tensor the stock model hands each layer ([B * H, 1, Nk]: slope x
+absolute key position, O(N)) and passed to the kernel as a per-key bias, so it is stock's bias to the
+last bit: Falcon rounds slope x position to bf16 (positions above 256 are not exact there), Bloom
+builds it in the model dtype, and both count positions over non-padding keys.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn import functional as F
-from transformers.models.bloom.modeling_bloom import _get_alibi_slopes as alibi_slopes  # Falcon uses the same
 
 from patches.attention import run_blockwise
+
+
+def _key_bias(alibi: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Stock's per-layer ALiBi [B * H, 1, Nk] -> the kernel's key_bias [B, H, Nk]."""
+    batch, heads = query.shape[:2]
+    return alibi.view(batch, heads, alibi.shape[-1])
 
 
 def _merge_heads(out: torch.Tensor) -> torch.Tensor:
@@ -26,11 +38,11 @@ def bloom_forward(module):
         query, key, value = module._reshape(module.query_key_value(hidden_states))  # 3 x [B, H, N, D]
         if layer_past is not None:
             key, value = layer_past.update(key, value, module.layer_idx)
-        # Bloom adds slope * key_position (a per-row constant away from slope * (j - i)): same softmax.
-        slopes = alibi_slopes(module.num_heads, query.device)
+        # Bloom's scores: beta * alibi + inv_norm_factor * q.k (baddbmm).
+        key_bias = _key_bias(alibi * module.beta, query)
         dropout = module.attention_dropout.p if module.training else 0.0
         out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout,
-                            scaling=module.inv_norm_factor, alibi_slopes=slopes)
+                            scaling=module.inv_norm_factor, key_bias=key_bias)
         output = module.dense(_merge_heads(out))
         return F.dropout(output, p=module.hidden_dropout, training=module.training) + residual, None
 
@@ -48,13 +60,14 @@ def falcon_forward(module):
             query, key = apply_rotary_pos_emb(query, key, cos, sin)
         if layer_past is not None:
             key, value = layer_past.update(key, value, module.layer_idx)
-        slopes = None
-        if alibi is not None:
-            # Falcon scales (scores + alibi) by 1/sqrt(d) and rounds its slopes to bf16.
-            slopes = alibi_slopes(module.num_heads, query.device).bfloat16().float() * module.inv_norm_factor
-        dropout = module.attention_dropout.p if (module.training and alibi is not None) else 0.0
-        out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout,
-                            scaling=module.inv_norm_factor, alibi_slopes=slopes)
+        if alibi is None:
+            out = run_blockwise(module, query, key, value, attention_mask, scaling=module.inv_norm_factor)
+        else:
+            # Falcon's scores: (q.k + alibi) / sqrt(d); stock folds alibi / sqrt(d) into the SDPA mask.
+            key_bias = _key_bias(alibi / math.sqrt(module.head_dim), query)
+            dropout = module.attention_dropout.p if module.training else 0.0
+            out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout,
+                                scaling=module.inv_norm_factor, key_bias=key_bias)
         return module.dense(_merge_heads(out)), None
 
     return forward

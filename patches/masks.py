@@ -16,6 +16,11 @@ import torch
 class BlockMaskInputs:
     """What the blockwise attention needs to rebuild any block of the mask.
 
+    q_length: queries of the call. kv_length: keys in use, the first kv_length of the key tensor the
+    attention gets; the queries are the last q_length of them (query i sits at key index
+    kv_length - q_length + i). transformers hands over more keys only with a static cache: all of its
+    max_cache_len slots, of which those past the queries are not filled yet (attention drops them,
+    `keys_in_use`).
     padding_mask: [B, kv_length] bool, True = real key token (None = no padding).
     segment_ids: [B, kv_length] int, packed documents (None = one document per row).
     sliding_window: key j visible from query position p iff p - j < sliding_window (None = full).
@@ -24,12 +29,33 @@ class BlockMaskInputs:
     padding_mask: torch.Tensor | None
     segment_ids: torch.Tensor | None
     sliding_window: int | None
-    q_length: int
-    kv_length: int
+    q_length: int | None = None  # None: unknown (no mask was built), keys used as given
+    kv_length: int | None = None
 
     # Not a tensor: model code that checks `mask.ndim == 4` (Falcon folds ALiBi into 4-D masks)
     # must leave it alone.
     ndim = 0
+
+    def keys_in_use(self, states: torch.Tensor, dim: int = -2) -> torch.Tensor:
+        """Keys / values [B, H, Nk, D] (or any per-key tensor, key axis `dim`) -> the first kv_length
+        along the key axis, as a view."""
+        keys = states.shape[dim]
+        if self.kv_length is None or keys == self.kv_length:
+            return states
+        if keys < self.kv_length:
+            raise ValueError(f"attention got {keys} keys but its mask was built for {self.kv_length}: the key "
+                             "cache and the mask disagree (was the mask built for another cache state?)")
+        return states.narrow(dim, 0, self.kv_length)
+
+    # Tensor methods that stock code calls on a mask it was handed, as no-ops. generate() builds the masks
+    # ahead of each static-cache forward (prepare_inputs_for_generation), calls `.contiguous()` on them (so
+    # a compiled forward sees fixed strides) and passes them as the model's attention_mask; GPT-2 then
+    # flattens any mask with fewer than 4 dims by `.view(batch, -1)`. The O(N) inputs need neither.
+    def contiguous(self) -> "BlockMaskInputs":
+        return self
+
+    def view(self, *_shape) -> "BlockMaskInputs":
+        return self
 
 
 def bpt_mask(
@@ -52,18 +78,26 @@ def bpt_mask(
             "this model adds a custom mask overlay that blockwise attention cannot rebuild per block; "
             "use it without apply_bpt_patch"
         )
+    if isinstance(attention_mask, BlockMaskInputs):
+        # Already built for this forward: generate() with a static cache builds the masks ahead of the
+        # forward (prepare_inputs_for_generation) and hands them to the model as its attention_mask.
+        return attention_mask
+    # A static cache gives its offsets as 0-d tensors, and counts all of its slots in kv_length. Keys past
+    # the last query (index q_offset - kv_offset + q_length) are empty slots: none is in use.
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    kv_used = min(kv_length, q_offset - kv_offset + q_length)
     padding_mask = None
     if attention_mask is not None:
-        end = kv_offset + kv_length
-        if attention_mask.shape[-1] < end:  # static caches can be longer than the 2-D mask
+        end = kv_offset + kv_used
+        if attention_mask.shape[-1] < end:  # as transformers' prepare_padding_mask: missing = padding
             attention_mask = torch.nn.functional.pad(attention_mask, (0, end - attention_mask.shape[-1]))
         padding_mask = attention_mask[:, kv_offset:end].to(torch.bool)
         if bool(padding_mask.all()):
             padding_mask = None
     segment_ids = None
-    if attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_length > 1:
+    if attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_used > 1:
         segment_ids = _segments_from_mask_function(mask_function, batch_size, q_length, device)
-    return BlockMaskInputs(padding_mask, segment_ids, local_size, q_length, kv_length)
+    return BlockMaskInputs(padding_mask, segment_ids, local_size, q_length, kv_used)
 
 
 def _segments_from_mask_function(mask_function, batch_size, length, device) -> torch.Tensor | None:
