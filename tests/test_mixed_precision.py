@@ -25,14 +25,15 @@ WORSE_AT_MOST = 1.5
 SEEDS = range(8)
 
 
-def _run(model, inputs, mode: str):
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+def _run(model, inputs, mode: str, device: str):
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=mode == "autocast"):
         return loss_and_grads(model, inputs)
 
 
-def low_precision_errors(name: str, kind: str, mode: str, checkpointing: bool = False, **overrides):
+def low_precision_errors(name: str, kind: str, mode: str, checkpointing: bool = False, device: str = "cpu",
+                         **overrides):
     """-> {"loss": (patched, stock), parameter name: (patched, stock)} RMS errors against fp32."""
-    reference = tiny_model(name, **overrides)
+    reference = tiny_model(name, **overrides).to(device)
     stock, patched = copy.deepcopy(reference), copy.deepcopy(reference)
     apply_bpt_patch(patched, **SMALL_BLOCKS)
     if mode == "bf16_weights":
@@ -43,10 +44,10 @@ def low_precision_errors(name: str, kind: str, mode: str, checkpointing: bool = 
     squared = {"patched": {}, "stock": {}}
     norms = {}
     for seed in SEEDS:
-        inputs = make_batch(kind, seed=seed)
+        inputs = {key: value.to(device) for key, value in make_batch(kind, seed=seed).items()}
         ref_loss, ref_grads = loss_and_grads(reference, inputs)
         for side, model in (("stock", stock), ("patched", patched)):
-            loss, grads = _run(model, inputs, mode)
+            loss, grads = _run(model, inputs, mode, device)
             errors = squared[side]
             errors["loss"] = errors.get("loss", 0.0) + ((loss.float() - ref_loss) / ref_loss).item() ** 2
             assert grads.keys() == ref_grads.keys()

@@ -2,7 +2,6 @@
 (bf16 on, LoRA, gradient checkpointing, compute_metrics, TRL's defaults, packing, padding-free)."""
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
