@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from train.data import Collator, build_train_dataset, load_text_dataset
+from train.data import Collator, DataWarning, build_train_dataset, load_text_dataset
 from train.errors import UserError
 from train.passkey import QUESTION, key_line, passkey_dataset, passkey_prompt
 from train.pretrain_tiny import build_tokenizer
@@ -76,6 +76,28 @@ def test_load_errors(tmp_path):
         load_text_dataset(str(tmp_path / "emptydir"))
 
 
+@pytest.mark.parametrize("name,text,line,what", [
+    ("bad.jsonl", '{"text": "a"}\n\n{"text": "b"}\n{"text": oops}\n{"text": "c"}\n', 4, "not valid JSON"),
+    ("list.jsonl", '{"text": "a"}\n[1, 2]\n', 2, "not a JSON object"),
+    ("bad.json", '[{"text": "a"},\n {"text": b}]\n', 2, "not valid JSON"),
+    ("lines.json", '{"text": "a"}\n{"text": "b"\n', 2, "not valid JSON"),  # JSON lines named .json
+])
+def test_broken_json_names_the_file_and_line(tmp_path, name, text, line, what):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(UserError) as raised:
+        load_text_dataset(str(tmp_path / name))
+    message = str(raised.value)
+    assert f"{tmp_path / name}: line {line} is {what}" in message and "fix or remove that line" in message
+    assert "DatasetGenerationError" not in message and "\n" not in message
+
+
+def test_broken_jsonl_in_a_directory_names_the_file(tmp_path):
+    _write(tmp_path / "a.jsonl", "jsonl", DOCS)
+    (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{"text": "cut off\n')
+    with pytest.raises(UserError, match=r"b\.jsonl: line 2 is not valid JSON"):
+        load_text_dataset(str(tmp_path))
+
+
 def test_hub_names_go_to_load_dataset(monkeypatch):
     calls = []
 
@@ -96,6 +118,34 @@ def test_empty_dataset_error(tok):
     empty = datasets.Dataset.from_dict({"text": []})
     with pytest.raises(UserError, match="empty"):
         build_train_dataset(tok, empty, max_seq_len=16)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_all_empty_documents_are_refused(tok, packing):
+    # Each empty document would still become BOS + EOS: a run that trains on nothing, without complaint.
+    empty = datasets.Dataset.from_dict({"text": ["", "  \n", None] * 20})
+    with pytest.raises(UserError, match=r"every document in dataset \(in memory\) has an empty 'text'.*--text_field"):
+        build_train_dataset(tok, empty, max_seq_len=4, packing=packing)
+    pairs = datasets.Dataset.from_dict({"q": ["Q: hi", "Q: yo"], "a": ["", " "]})
+    with pytest.raises(UserError, match="empty 'a'.*--response_field"):
+        build_train_dataset(tok, pairs, max_seq_len=16, prompt_field="q", response_field="a", packing=packing)
+    some_empty = datasets.Dataset.from_dict({"text": ["", "words"]})  # only all-empty is an error
+    assert len(build_train_dataset(tok, some_empty, max_seq_len=8, packing=packing)) > 0
+
+
+def test_no_packing_says_once_how_many_documents_it_truncated(tok):
+    docs = ["x" * 40, "short", "y" * 100]  # 42 and 102 tokens with BOS and EOS
+    notes = []
+    rows = build_train_dataset(tok, datasets.Dataset.from_dict({"text": docs}), max_seq_len=16, packing=False,
+                               warn=notes.append)
+    assert [len(ids) for ids in rows["input_ids"]] == [16, 7, 16]
+    assert notes == ["--no_packing truncated 2 of 3 documents to --max_seq_len 16 tokens (longest 102; 112 tokens "
+                     "dropped, never trained on); to keep them, pack (drop --no_packing) or raise --max_seq_len"]
+    with pytest.warns(DataWarning, match="truncated 2 of 3 documents"):  # the default: a warning
+        build_train_dataset(tok, datasets.Dataset.from_dict({"text": docs}), max_seq_len=16, packing=False)
+    build_train_dataset(tok, datasets.Dataset.from_dict({"text": docs}), max_seq_len=102, packing=False,
+                        warn=notes.append)
+    assert len(notes) == 1  # nothing cut, nothing said
 
 
 def test_wrong_text_field_names_the_columns(tok):
@@ -157,7 +207,8 @@ def test_packed_rows_collate_without_attention_mask(tok):
 # --- no packing + collator ----------------------------------------------------------------------
 
 def test_no_packing_truncates_and_collator_pads(tok):
-    rows = build_train_dataset(tok, datasets.Dataset.from_dict({"text": DOCS}), max_seq_len=20, packing=False)
+    with pytest.warns(DataWarning, match="truncated 1 of 3 documents"):
+        rows = build_train_dataset(tok, datasets.Dataset.from_dict({"text": DOCS}), max_seq_len=20, packing=False)
     lengths = [len(r) for r in rows["input_ids"]]
     assert lengths == [min(20, len(_enc(tok, d)) + 1) for d in DOCS]
     assert rows[0]["input_ids"][-1] == tok.eos_token_id and rows[0]["labels"] == rows[0]["input_ids"]

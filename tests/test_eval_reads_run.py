@@ -15,14 +15,7 @@ import torch
 from train.eval import TINY_MODEL_DIR, load_for_eval, main, parse_args
 
 TRAIN_LENGTH = 256  # twice the base's 128 positions: RoPE x2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models on a shared CPU: more threads mostly wait on each other
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared CPU: one thread (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ def _run(model, inputs, mode: str, device: str):
         return loss_and_grads(model, inputs)
 
 
-def low_precision_errors(name: str, kind: str, mode: str, checkpointing: bool = False, device: str = "cpu",
+def low_precision_errors(name: str, kind: str, mode: str, checkpointing: str | None = None, device: str = "cpu",
                          **overrides):
     """-> {"loss": (patched, stock), parameter name: (patched, stock)} RMS errors against fp32."""
     reference = tiny_model(name, **overrides).to(device)
@@ -40,7 +40,8 @@ def low_precision_errors(name: str, kind: str, mode: str, checkpointing: bool = 
         stock.bfloat16(), patched.bfloat16()
     if checkpointing:
         for model in (stock, patched):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     squared = {"patched": {}, "stock": {}}
     norms = {}
     for seed in SEEDS:
@@ -75,9 +76,10 @@ def test_low_precision_no_worse_than_stock(name, kind, mode):
     assert_no_worse_than_stock(low_precision_errors(name, kind, mode))
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "falcon_alibi", "gpt2"])
-def test_low_precision_with_gradient_checkpointing(name):
-    assert_no_worse_than_stock(low_precision_errors(name, "right_padded", "autocast", checkpointing=True))
+@pytest.mark.parametrize("name,checkpointing", [("llama", "non_reentrant"), ("gemma2", "non_reentrant"),
+                                                ("falcon_alibi", "reentrant"), ("gpt2", "reentrant")])
+def test_low_precision_with_gradient_checkpointing(name, checkpointing):
+    assert_no_worse_than_stock(low_precision_errors(name, "right_padded", "autocast", checkpointing=checkpointing))
 
 
 # ------------------------------------------------------------------------------------------------------

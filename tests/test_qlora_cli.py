@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,63 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_helpers import ENV, REPO, base_argv, losses, metrics
 from train.args import parse_args
 from train.qlora import NAN_AT_ENV, STOP_AFTER_ENV, main, run
 
-REPO = Path(__file__).resolve().parent.parent
-# One intra-op thread: these models are tiny, and on a shared CPU extra threads mostly wait on each other
-# (a 64-token step measured 0.1 s with one thread, 0.5-12 s with two).
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing softly".split()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny llama with the char-level tokenizer of train.pretrain_tiny, and a jsonl of short documents."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from train.pretrain_tiny import build_tokenizer
-
-    root = tmp_path_factory.mktemp("tiny")
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    rng = random.Random(0)
-    with open(root / "data.jsonl", "w") as f:
-        for i in range(24):
-            words = [rng.choice(WORDS) for _ in range(rng.randint(8, 30))]
-            f.write(json.dumps({"text": " ".join(words), "id": i}) + "\n")
-    return root
-
-
-def base_argv(tiny, out, *extra) -> list[str]:
-    return ["--model_name_or_path", str(tiny / "model"), "--dataset", str(tiny / "data.jsonl"),
-            "--output_dir", str(out), "--max_seq_len", "64", "--max_steps", "4", "--lora_r", "4",
-            "--learning_rate", "1e-2", "--save_steps", "0", "--logging_steps", "1",
-            "--q_block", "16", "--kv_block", "16", "--mlp_chunk", "16", "--loss_chunk", "16", *map(str, extra)]
-
-
-def metrics(out) -> list[dict]:
-    with open(Path(out) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
-def losses(out) -> list[float]:
-    return [m["loss"] for m in metrics(out)]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def assert_close(actual, expected, rel=1e-4):
@@ -224,6 +170,9 @@ def _bad_cases(tiny, tmp: Path) -> dict:
     model, data = str(tiny / "model"), str(tiny / "data.jsonl")
     (tmp / "no_config").mkdir()
     (tmp / "empty.jsonl").write_text("")
+    (tmp / "broken.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n{"text": "three\n{"text": "four"}\n')
+    (tmp / "blank.jsonl").write_text('{"text": ""}\n' * 30)
+    (tmp / "a_file").write_text("not a directory")
     (tmp / "bad.yaml").write_text("learning_rate: [1e-4\n")
     (tmp / "unknown.yaml").write_text("learning_rat: 1e-4\n")
     (tmp / "opt").mkdir()
@@ -244,6 +193,13 @@ def _bad_cases(tiny, tmp: Path) -> dict:
         "missing text field": (["--model_name_or_path", model, "--dataset", data, "--text_field", "body", *common],
                                "available columns: text, id"),
         "empty dataset": (["--model_name_or_path", model, "--dataset", str(tmp / "empty.jsonl"), *common], "empty"),
+        "broken jsonl line": (["--model_name_or_path", model, "--dataset", str(tmp / "broken.jsonl"), *common],
+                              (f"{tmp / 'broken.jsonl'}: line 3 is not valid JSON", "fix or remove that line")),
+        "all documents empty": (["--model_name_or_path", model, "--dataset", str(tmp / "blank.jsonl"), "--no_packing",
+                                 *common], ("has an empty 'text'", "--text_field")),
+        "output dir not writable": (["--model_name_or_path", model, "--dataset", data, "--max_seq_len", "64",
+                                     "--output_dir", str(tmp / "a_file" / "run")],
+                                    ("is not writable (Not a directory)", "choose a directory you can write to")),
         "too long, no rope": (["--model_name_or_path", model, "--dataset", data, "--output_dir", str(tmp / "o"),
                                "--max_seq_len", "512"], ("add --rope_scaling linear", "lower --max_seq_len to 128")),
         "rope factor too small": (["--model_name_or_path", model, "--dataset", data, "--output_dir", str(tmp / "o"),
@@ -270,6 +226,7 @@ def _bad_cases(tiny, tmp: Path) -> dict:
 
 
 BAD_CASE_NAMES = ["missing model", "model without config", "missing dataset", "missing text field", "empty dataset",
+                  "broken jsonl line", "all documents empty", "output dir not writable",
                   "too long, no rope", "rope factor too small", "unsupported family", "finished output dir",
                   "unfinished output dir", "missing checkpoint", "corrupt checkpoint", "bad yaml", "unknown yaml key",
                   "unknown flag", "bits", "dropout", "tracker missing"]
@@ -280,6 +237,11 @@ def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, monkeypatch, case)
     if case == "tracker missing" and importlib.util.find_spec("wandb"):
         pytest.skip("wandb is installed here")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the model was loaded before the mistake was found")
+
+    monkeypatch.setattr("train.model.build_model", no_weights)  # every mistake here is found before heavy work
     argv, hints = _bad_cases(tiny, tmp_path)[case]
     assert main(argv) == 2
     line = _error_line(capsys)

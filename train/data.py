@@ -7,11 +7,18 @@ transformers and our patch read a restart as "no attention across this boundary"
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from train.errors import UserError
@@ -22,6 +29,11 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "par
 _BUILDER_KWARGS = {"text": {"sample_by": "document"}}
 # Below this many documents, worker processes cost more than they save.
 _MIN_DOCS_PER_PROC = 1000
+_EMPTY_CHECK_ROWS = 10_000  # documents checked for text at a time (whitespace is trimmed on a copy)
+
+
+class DataWarning(UserWarning):
+    """Something about the data the user should know (e.g. documents truncated by --no_packing)."""
 
 
 def _looks_local(source: str) -> bool:
@@ -42,28 +54,95 @@ def _files_in(directory: Path) -> tuple[str, list[str]]:
     return builders.pop(), [str(p) for p in files]
 
 
-def load_text_dataset(source: str, *, split: str = "train") -> datasets.Dataset:
-    """A local .json/.jsonl/.txt/.parquet/.csv file, a directory of such files, or a hub dataset name."""
+def _local_files(source: str) -> tuple[str, list[str]] | None:
+    """(builder, files) of a local file or directory, None for a hub name; UserError for a local path
+    that does not exist or holds no supported files."""
     path = Path(source).expanduser()
     if path.is_dir():
-        builder, files = _files_in(path)
-    elif path.is_file():
+        return _files_in(path)
+    if path.is_file():
         builder = _BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise UserError(f"unsupported data file format '{path.suffix}' ({source}); use one of "
                             f"{', '.join(_BUILDERS)}")
-        files = [str(path)]
-    elif _looks_local(source):
+        return builder, [str(path)]
+    if _looks_local(source):
         raise UserError(f"data file {source} does not exist; check the path")
-    else:
+    return None
+
+
+def check_source(source: str) -> None:
+    """The cheap checks of load_text_dataset (a local path exists, its format is supported) without
+    reading any data, to run before heavy work. Hub names and "passkey" pass."""
+    if source != "passkey":
+        _local_files(source)
+
+
+def load_text_dataset(source: str, *, split: str = "train") -> datasets.Dataset:
+    """A local .json/.jsonl/.txt/.parquet/.csv file, a directory of such files, or a hub dataset name."""
+    local = _local_files(source)
+    if local is None:
         return _load_from_hub(source, split)
+    builder, files = local
     try:
         # Local files always land in the builder's "train" split, whatever `split` asks for.
-        ds = datasets.load_dataset(builder, data_files=files, split="train", **_BUILDER_KWARGS.get(builder, {}))
+        with _quiet_json_builder():
+            ds = datasets.load_dataset(builder, data_files=files, split="train", **_BUILDER_KWARGS.get(builder, {}))
     except Exception as e:  # datasets raises many types for unreadable files
+        where = _locate_json_error(files) if builder == "json" else None
+        if where:
+            raise UserError(f"{where}; fix or remove that line") from None
         raise UserError(f"could not read {source} as {builder} ({type(e).__name__}: {_first_line(e)}); "
                         "check that the file is valid") from None
     return _non_empty(ds, source)
+
+
+@contextlib.contextmanager
+def _quiet_json_builder():
+    """Silence the json builder's own "Failed to load JSON from file ..." log line while loading: on a
+    broken file the UserError names the file and the line instead."""
+    logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _locate_json_error(files: list[str]) -> str | None:
+    """'could not read FILE: line N ...' for the first malformed record of a json/jsonl file, or None when the
+    files parse (then the failure lies elsewhere, e.g. columns whose types differ between records).
+    Only runs after `datasets` failed, so valid data is never parsed twice."""
+    for path in files:
+        if path.lower().endswith(".json"):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            try:
+                json.loads(text)
+                continue  # one valid JSON document
+            except json.JSONDecodeError as e:
+                if not e.msg.startswith("Extra data"):  # else: JSON lines in a .json file, scan them below
+                    return f"could not read {path}: line {e.lineno} is not valid JSON ({e.msg}, column {e.colno})"
+        where = _first_bad_json_line(path)
+        if where:
+            return where
+    return None
+
+
+def _first_bad_json_line(path: str) -> str | None:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue  # blank lines are skipped by the reader too
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"could not read {path}: line {number} is not valid JSON ({e.msg}, column {e.colno})"
+            if not isinstance(record, dict):
+                return (f"could not read {path}: line {number} is not a JSON object (got {type(record).__name__}; "
+                        'each line must be one {"column": value, ...} record)')
+    return None
 
 
 def _load_from_hub(name: str, split: str) -> datasets.Dataset:
@@ -123,6 +202,19 @@ def _default_num_proc(n_docs: int) -> int | None:
     return max(1, min(os.cpu_count() or 1, 8, n_docs // _MIN_DOCS_PER_PROC))
 
 
+def _check_not_all_empty(ds: datasets.Dataset, field: str, source, flag: str) -> None:
+    """UserError when every value of a text column is empty or whitespace (a wrong column or an export
+    gone wrong): such a dataset would train on nothing but BOS -> EOS. Computed in Arrow, no Python loop."""
+    column = ds.with_format("arrow")[field]
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return  # numbers etc. are stringified by _encode, never empty
+    for start in range(0, len(column), _EMPTY_CHECK_ROWS):  # real data stops at the first slice
+        if pc.max(pc.utf8_length(pc.utf8_trim_whitespace(column.slice(start, _EMPTY_CHECK_ROWS)))).as_py():
+            return  # (a max of None means every value was null)
+    raise UserError(f"every document in dataset {source} has an empty '{field}' ({len(ds)} rows): nothing to "
+                    f"train on; point {flag} at the column that holds the text")
+
+
 def tokenize_dataset(tokenizer, ds: datasets.Dataset, *, text_field="text", prompt_field=None,
                      response_field=None, num_proc=None, source="") -> datasets.Dataset:
     """Documents -> rows of input_ids and labels (each document ends with EOS)."""
@@ -132,9 +224,11 @@ def tokenize_dataset(tokenizer, ds: datasets.Dataset, *, text_field="text", prom
         raise UserError("give both --prompt_field and --response_field, or neither (then --text_field is used)")
     if prompt_field is not None:
         _check_fields(ds, [prompt_field, response_field], source)
+        _check_not_all_empty(ds, response_field, source, "--response_field")
         fn, kwargs = _tokenize_prompt_response, {"prompt_field": prompt_field, "response_field": response_field}
     else:
         _check_fields(ds, [text_field], source)
+        _check_not_all_empty(ds, text_field, source, "--text_field")
         fn, kwargs = _tokenize_text, {"text_field": text_field}
     return ds.map(fn, batched=True, num_proc=num_proc if num_proc is not None else _default_num_proc(len(ds)),
                   remove_columns=ds.column_names, fn_kwargs={"tokenizer": tokenizer, **kwargs},
@@ -193,17 +287,35 @@ def _truncate(batch, *, max_seq_len):
             "position_ids": [list(range(len(x))) for x in ids]}
 
 
+def _warn(message: str) -> None:
+    warnings.warn(message, DataWarning, stacklevel=3)
+
+
+def truncation_note(tokenized: datasets.Dataset, max_seq_len: int) -> str | None:
+    """What --no_packing's truncation drops, in one line (None when every document fits)."""
+    lengths = pc.list_value_length(tokenized.with_format("arrow")["input_ids"])
+    n_long = pc.sum(pc.greater(lengths, max_seq_len)).as_py() or 0
+    if not n_long:
+        return None
+    lost = pc.sum(pc.subtract(lengths, max_seq_len).filter(pc.greater(lengths, max_seq_len))).as_py()
+    return (f"--no_packing truncated {n_long} of {len(tokenized)} documents to --max_seq_len {max_seq_len} tokens "
+            f"(longest {pc.max(lengths).as_py()}; {lost} tokens dropped, never trained on); to keep them, pack "
+            "(drop --no_packing) or raise --max_seq_len")
+
+
 def build_train_dataset(tokenizer, source: str | datasets.Dataset, *, max_seq_len: int, text_field: str = "text",
                         prompt_field: str | None = None, response_field: str | None = None, packing: bool = True,
                         num_proc: int | None = None, seed: int = 0, passkey_samples: int = 256,
-                        passkey_answer_only: bool = True) -> datasets.Dataset:
+                        passkey_answer_only: bool = True,
+                        warn: Callable[[str], None] | None = None) -> datasets.Dataset:
     """Rows of input_ids, labels, position_ids ready for Collator.
 
     source "passkey" is the built-in synthetic passkey data (passkey_samples rows of max_seq_len tokens,
     loss on the answer only unless passkey_answer_only=False; see train.passkey.passkey_dataset);
     otherwise a Dataset or anything load_text_dataset accepts. packing=True fills rows of exactly
     max_seq_len tokens with consecutive documents; packing=False keeps one document per row, truncated
-    to max_seq_len (the collator pads).
+    to max_seq_len (the collator pads); how many documents that cut short goes to `warn` (default: a
+    DataWarning), once.
     """
     if max_seq_len < 2:
         raise UserError(f"max_seq_len must be at least 2 (got {max_seq_len})")
@@ -216,6 +328,9 @@ def build_train_dataset(tokenizer, source: str | datasets.Dataset, *, max_seq_le
                                  response_field=response_field, num_proc=num_proc, source=source if isinstance(source, str) else "(in memory)")
     if packing:
         return pack(tokenized, max_seq_len)
+    note = truncation_note(tokenized, max_seq_len)
+    if note:
+        (warn or _warn)(note)
     return tokenized.map(_truncate, batched=True, fn_kwargs={"max_seq_len": max_seq_len}, desc="truncating")
 
 

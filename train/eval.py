@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from train.errors import UserError
+from train.lifecycle import silence_library_noise
 from train.passkey import DEFAULT_KEY_DIGITS, min_passkey_length, passkey_case, random_key
 
 TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-llama"
@@ -352,6 +353,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
+    silence_library_noise()  # before bitsandbytes is imported: it logs its noise at import
     try:
         run(parse_args(argv))
     except UserError as e:

@@ -249,7 +249,8 @@ def patch(model, args):
     options = {name: getattr(args, name) for name in ("q_block", "kv_block", "mlp_chunk", "loss_chunk")
                if getattr(args, name) is not None}
     try:
-        return apply_bpt_patch(model, compile=args.bpt_compile, **options)
+        # The recipe never reads logits of a labelled batch: evaluation stays O(N) memory as training is.
+        return apply_bpt_patch(model, compile=args.bpt_compile, eval_logits=False, **options)
     except ValueError as error:  # impossible block sizes and the like
         raise UserError(f"cannot apply the BPT patch: {one_line(error)}") from None
 

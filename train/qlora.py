@@ -11,6 +11,17 @@ Then: base -> k-bit prep -> LoRA -> BPT patch (train.model), the loop, the final
 Files in --output_dir (written by the main process only): metrics.jsonl, checkpoint-N/,
 the final adapter (adapter_config.json, adapter_model.safetensors) and tokenizer, eval.json with
 --eval_passkey, merged/ with --merge, and run_info.json last: the marker that the run finished.
+--report_to tensorboard writes train.qlora/events.* there too; --report_to wandb its wandb/ run directory
+(unless WANDB_DIR says otherwise).
+
+SIGINT / SIGTERM (Ctrl-C, a cluster's preemption): the loop finishes the optimizer step it is in, writes
+checkpoint-N, prints where it is and the command that resumes, and exits 130 / 143. A second signal
+aborts at once (one that follows within train.lifecycle.REPEAT_WINDOW_S counts as the same request: a
+launcher forwarding the terminal's Ctrl-C, or a scheduler signalling every process, delivers one stop twice).
+The process around the run (signals, library log noise, the one-line exit) lives in train.lifecycle.
+
+Under `accelerate launch` every rank runs the same checks; a user error is printed once, by the main
+process, every rank exits 2 and the process group is torn down (no rank is left waiting at a collective).
 """
 from __future__ import annotations
 
@@ -22,6 +33,7 @@ import os
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +42,7 @@ import torch
 from train import checkpoint
 from train.args import TINY_LLAMA_DIR, Args, parse_args
 from train.errors import UserError
+from train.lifecycle import SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise
 
 METRICS_FILE = "metrics.jsonl"
 RUN_INFO_FILE = "run_info.json"  # written last: its presence means the run finished
@@ -39,6 +52,7 @@ EVAL_SEED = 12345  # passkey evaluation prompts, disjoint from the training data
 STOP_AFTER_ENV = "QLORA_TEST_STOP_AFTER_STEP"
 NAN_AT_ENV = "QLORA_TEST_NAN_AT_STEP"
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
+TRACKER_PROJECT = "train.qlora"  # tensorboard: the subdirectory of output_dir; wandb: the project (or WANDB_PROJECT)
 
 
 class TrainingDiverged(RuntimeError):
@@ -53,7 +67,7 @@ class RunResult:
     eval: dict | None = None
 
 
-# ---------------------------------------------------------------- checks before heavy work
+# ---------------------------------------------------------------- setup: checks before heavy work, accelerator
 
 def check_tracker(report_to: str) -> None:
     if report_to == "none":
@@ -63,11 +77,26 @@ def check_tracker(report_to: str) -> None:
                         f"(or pass --report_to none)")
 
 
+def check_writable(out: str) -> None:
+    """Create --output_dir and write (then remove) a probe file in it: a run must not find out after
+    loading the model and training a step that it cannot save."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise UserError(f"--output_dir {out} is not writable ({reason}); choose a directory you can write to "
+                        "or fix its permissions") from None
+
+
 def check_output_dir(args: Args) -> None:
-    """Refuse to clobber a finished run or an unfinished run's checkpoints unless told to."""
+    """Writable, and no finished run or unfinished run's checkpoints to clobber unless told to."""
     out = args.output_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise UserError(f"--output_dir {out} is a file; choose a directory")
+    check_writable(out)
     if args.resume_from_checkpoint or args.overwrite_output_dir:
         return
     if os.path.isfile(os.path.join(out, RUN_INFO_FILE)):
@@ -88,8 +117,114 @@ def clear_previous_run(output_dir: str) -> None:
             os.remove(os.path.join(output_dir, name))
 
 
-def load_data(args: Args, tokenizer):
+@dataclass
+class Preflight:
+    """What the cheap checks established, before any weights are read."""
+
+    config: object  # the model config, RoPE scaling applied
+    tokenizer: object
+    rope_factor: float | None
+    resume_path: str | None
+
+
+def preflight(args: Args) -> Preflight:
+    """Every check that needs no weights, in the order a user would fix them. Raises UserError."""
+    from train.data import check_source
+    from train.model import apply_rope_scaling, check_bpt_support, load_config, load_tokenizer
+
+    check_tracker(args.report_to)
+    check_output_dir(args)
+    resume_path = (checkpoint.resolve(args.resume_from_checkpoint, args.output_dir)
+                   if args.resume_from_checkpoint else None)
+    if args.model_name_or_path == str(TINY_LLAMA_DIR) and not TINY_LLAMA_DIR.is_dir():
+        raise UserError(f"the bundled tiny llama ({TINY_LLAMA_DIR}) has not been built: run python -m "
+                        "train.pretrain_tiny, or name a model with --model_name_or_path")
+    check_source(args.dataset)  # the file exists; its content is read with the data, after the model config
+    config = load_config(args.model_name_or_path, args.trust_remote_code)
+    if args.bpt:
+        check_bpt_support(config)
+    rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    return Preflight(config, tokenizer, rope_factor, resume_path)
+
+
+def make_accelerator(args: Args):
+    from accelerate import Accelerator
+
+    precision = args.mixed_precision
+    if precision is None and "ACCELERATE_MIXED_PRECISION" not in os.environ:  # else: the launch config's
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    # cpu=True on machines without an accelerator: accelerate then sets up gloo DDP when launched with
+    # several processes (otherwise each process would silently train alone on the whole data).
+    no_accelerator = not (torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available())
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # accelerate keeps its state per process and refuses another precision later: a second run in the
+        # same process (a notebook cell run again with other flags) must start from a fresh state.
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    return Accelerator(mixed_precision=precision, log_with=None if args.report_to == "none" else args.report_to,
+                       project_dir=args.output_dir, cpu=no_accelerator)
+
+
+def on_main(accelerator, fn):
+    """fn() on the main process only; the others wait. A UserError there is raised on every rank, so no
+    rank is left waiting at a collective for a process that has gone (gloo: "connection closed")."""
+    result, error = None, None
+    if accelerator.is_main_process:
+        try:
+            result = fn()
+        except UserError as raised:
+            error = str(raised)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise UserError(error)
+    return result
+
+
+def start_position(accelerator, args: Args, resume_path: str | None, model, optimizer, scheduler):
+    """(step, (epoch, batch)) to start from: the checkpoint's when resuming, else a clean output_dir."""
+    start_step, position = 0, (0, 0)
+    if resume_path:
+        state = checkpoint.load(resume_path, model=accelerator.unwrap_model(model), optimizer=optimizer,
+                                scheduler=scheduler, rank=accelerator.process_index)
+        start_step, position = state["step"], (state["epoch"], state["batch"])
+        if accelerator.is_main_process:
+            print(f"resumed from {resume_path} at step {start_step}", file=sys.stderr)
+    elif accelerator.is_main_process and args.overwrite_output_dir:
+        clear_previous_run(args.output_dir)
+    if accelerator.is_main_process:
+        checkpoint.remove_leftovers(args.output_dir)
+    accelerator.wait_for_everyone()
+    return start_step, position
+
+
+def init_trackers(accelerator, args: Args) -> None:
+    """--report_to: tensorboard under output_dir/train.qlora; wandb's run directory in output_dir (unless
+    WANDB_DIR is set), in project WANDB_PROJECT or train.qlora, named after output_dir."""
+    config = {k: v for k, v in args.to_dict().items() if isinstance(v, (int, float, str, bool))}
+    init_kwargs = {}
+    project = TRACKER_PROJECT
+    if args.report_to == "wandb":
+        project = os.environ.get("WANDB_PROJECT", TRACKER_PROJECT)
+        init_kwargs["wandb"] = {"name": os.path.basename(os.path.abspath(args.output_dir))}
+        if not os.environ.get("WANDB_DIR"):
+            init_kwargs["wandb"]["dir"] = args.output_dir
+    accelerator.init_trackers(project, config=config, init_kwargs=init_kwargs)
+
+
+# ---------------------------------------------------------------- data: the training rows and their order
+
+def load_data(args: Args, tokenizer, *, main_process: bool = True):
+    """The training rows; notes about the data (truncation) are printed once, by the main process."""
     from train.data import build_train_dataset, load_text_dataset
+
+    def note(message: str) -> None:
+        if main_process:
+            print(f"note: {message}", file=sys.stderr, flush=True)
 
     source = args.dataset
     if source != "passkey" and args.dataset_split != "train":  # build_train_dataset loads the train split
@@ -97,13 +232,11 @@ def load_data(args: Args, tokenizer):
     dataset = build_train_dataset(
         tokenizer, source, max_seq_len=args.max_seq_len, text_field=args.text_field,
         prompt_field=args.prompt_field, response_field=args.response_field, packing=args.packing,
-        num_proc=args.num_proc, seed=args.seed, passkey_samples=args.passkey_samples)
+        num_proc=args.num_proc, seed=args.seed, passkey_samples=args.passkey_samples, warn=note)
     if len(dataset) == 0:
         raise UserError(f"dataset {args.dataset} gives no training rows at --max_seq_len {args.max_seq_len}")
     return dataset
 
-
-# ---------------------------------------------------------------- data order
 
 def epoch_order(n_rows: int, *, seed: int, epoch: int, rank: int, world_size: int) -> list[int]:
     """This rank's row indices for an epoch: a permutation seeded by (seed, epoch) only, so a resumed
@@ -150,20 +283,7 @@ def total_steps(n_rows: int, args: Args, world_size: int) -> int:
     return max(1, math.ceil(args.num_train_epochs * steps_per_epoch))
 
 
-# ---------------------------------------------------------------- the loop
-
-def make_accelerator(args: Args):
-    from accelerate import Accelerator
-
-    precision = args.mixed_precision
-    if precision is None and "ACCELERATE_MIXED_PRECISION" not in os.environ:  # else: the launch config's
-        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    # cpu=True on machines without an accelerator: accelerate then sets up gloo DDP when launched with
-    # several processes (otherwise each process would silently train alone on the whole data).
-    no_accelerator = not (torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available())
-    return Accelerator(mixed_precision=precision, log_with=None if args.report_to == "none" else args.report_to,
-                       project_dir=args.output_dir, cpu=no_accelerator)
-
+# ---------------------------------------------------------------- train: the loop
 
 def make_optimizer(model, args: Args):
     params = [p for p in model.parameters() if p.requires_grad]
@@ -255,7 +375,9 @@ class MetricsLog:
             if self.accelerator.is_main_process:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            self.accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=step)
+            # Trackers get HF Trainer's names: train/loss, train/lr, ... (grouped under "train").
+            self.accelerator.log({f"train/{k}": v for k, v in record.items() if k != "step" and v is not None},
+                                 step=step)
             self.losses, self.tokens, self.seconds = [], 0, 0.0
         return window
 
@@ -283,8 +405,25 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, args: Args, step: 
     return path
 
 
+def stop_requested(accelerator) -> int | None:
+    """The signal that asked this run to stop, agreed by every rank (any rank's request stops all of them,
+    at the same step, so their collectives stay in step)."""
+    requested = SIGNALS.requested or 0
+    if accelerator.num_processes > 1:
+        requested = int(accelerator.gather(torch.tensor([requested], device=accelerator.device)).max())
+    return requested or None
+
+
 def train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args: Args, *, start_step: int,
                position: tuple[int, int], steps: int, last_checkpoint: str | None) -> list[float]:
+    """Optimizer steps start_step+1 .. steps. On SIGINT/SIGTERM: finish the step, save, raise Interrupted."""
+    with SIGNALS.mode(graceful=True):
+        return _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, start_step=start_step,
+                           position=position, steps=steps, last_checkpoint=last_checkpoint)
+
+
+def _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args: Args, *, start_step: int,
+                position: tuple[int, int], steps: int, last_checkpoint: str | None) -> list[float]:
     from tqdm.auto import tqdm
 
     from train.data import Collator
@@ -297,34 +436,47 @@ def train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, arg
     stop_after = int(os.environ.get(STOP_AFTER_ENV, "0"))
     losses = []
     model.train()
-    for step in range(start_step + 1, steps + 1):
-        group, position = next(groups)
-        lr = scheduler.get_last_lr()[0]
-        started = time.perf_counter()
-        try:
-            loss, tokens, grad_norm = train_step(model, group, optimizer, scheduler, accelerator, args, step)
-        except TrainingDiverged as error:
-            bar.close()
-            keep = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written"
-            raise TrainingDiverged(f"{error}: training stopped without updating the weights or saving; {keep}. "
-                                   "Lower --learning_rate or check the data, then resume with "
-                                   "--resume_from_checkpoint latest") from None
-        losses.append(loss)
-        window = metrics.add(step, loss, tokens, time.perf_counter() - started, lr, grad_norm, last=step == steps)
-        bar.update(1)
-        bar.set_postfix(loss=f"{window['loss']:.4f}", tok_s=f"{window['tokens_per_s']:.0f}",
-                        mem=f"{window['peak_mem_mb']:.0f}MB")
-        if args.save_steps and step % args.save_steps == 0:
-            last_checkpoint = save_checkpoint(accelerator, model, optimizer, scheduler, args, step, position)
-        if step == stop_after:
-            bar.close()
-            print(f"stopping after step {step} ({STOP_AFTER_ENV})", file=sys.stderr)
-            sys.exit(3)
-    bar.close()
+    step = start_step
+    try:
+        for step in range(start_step + 1, steps + 1):
+            group, position = next(groups)
+            lr = scheduler.get_last_lr()[0]
+            started = time.perf_counter()
+            try:
+                loss, tokens, grad_norm = train_step(model, group, optimizer, scheduler, accelerator, args, step)
+            except TrainingDiverged as error:
+                keep = (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
+                        else "no checkpoint was written")
+                raise TrainingDiverged(f"{error}: training stopped without updating the weights or saving; {keep}. "
+                                       "Lower --learning_rate or check the data, then resume with "
+                                       "--resume_from_checkpoint latest") from None
+            losses.append(loss)
+            stopping = stop_requested(accelerator)  # a signal arrived: this step was the last
+            window = metrics.add(step, loss, tokens, time.perf_counter() - started, lr, grad_norm,
+                                 last=step == steps or stopping is not None)
+            bar.update(1)
+            bar.set_postfix(loss=f"{window['loss']:.4f}", tok_s=f"{window['tokens_per_s']:.0f}",
+                            mem=f"{window['peak_mem_mb']:.0f}MB")
+            if (args.save_steps and step % args.save_steps == 0) or stopping:
+                last_checkpoint = save_checkpoint(accelerator, model, optimizer, scheduler, args, step, position)
+            if stopping:
+                for tracker in accelerator.trackers:  # end the tracker runs cleanly (wandb: run finished)
+                    tracker.finish()
+                raise Interrupted(stopping, step=step, steps=steps, saved=last_checkpoint)
+            if step == stop_after:
+                bar.close()
+                print(f"stopping after step {step} ({STOP_AFTER_ENV})", file=sys.stderr)
+                sys.exit(3)
+    except Interrupted as stop:
+        if stop.step is None:  # a repeated signal aborted mid-step (an atomic checkpoint write leaves nothing)
+            stop.step, stop.steps, stop.last_checkpoint = step, steps, last_checkpoint
+        raise
+    finally:
+        bar.close()
     return losses
 
 
-# ---------------------------------------------------------------- evaluation and the final save
+# ---------------------------------------------------------------- save: evaluation and the final files
 
 def passkey_eval(model, tokenizer, args: Args) -> dict:
     from train.eval import passkey_accuracy
@@ -332,6 +484,26 @@ def passkey_eval(model, tokenizer, args: Args) -> dict:
     lengths = args.eval_lengths or [args.max_seq_len]
     return passkey_accuracy(model, tokenizer, lengths=lengths, depths=args.eval_depths, trials=args.eval_trials,
                             seed=EVAL_SEED)
+
+
+def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict,
+              step: int) -> dict | None:
+    """Passkey accuracy on the main process (the others wait: greedy decoding needs no data parallelism),
+    printed, logged to the tracker at `step` and written to eval.json under `when` ("before"/"after")
+    beside the earlier results in `evals`."""
+
+    def evaluate() -> dict:
+        result = passkey_eval(accelerator.unwrap_model(model), tokenizer, args)
+        lengths = ", ".join(f"{length}: {acc:.3f}" for length, acc in result["by_length"].items())
+        print(f"passkey accuracy {when} training: {result['accuracy']:.3f} (by length {lengths})", flush=True)
+        _write_json(eval_path, {**evals, when: result})
+        if args.report_to != "none":
+            accelerator.log({"eval/passkey_accuracy": result["accuracy"],
+                             **{f"eval/passkey_accuracy_{length}": acc for length, acc in result["by_length"].items()}},
+                            step=step)
+        return result
+
+    return on_main(accelerator, evaluate)
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -347,51 +519,7 @@ def _read_json(path: str) -> dict:
     return {}
 
 
-@dataclass
-class Preflight:
-    """What the cheap checks established, before any weights are read."""
-
-    config: object  # the model config, RoPE scaling applied
-    tokenizer: object
-    rope_factor: float | None
-    resume_path: str | None
-
-
-def preflight(args: Args) -> Preflight:
-    """Every check that needs no weights, in the order a user would fix them. Raises UserError."""
-    from train.model import apply_rope_scaling, check_bpt_support, load_config, load_tokenizer
-
-    check_tracker(args.report_to)
-    check_output_dir(args)
-    resume_path = (checkpoint.resolve(args.resume_from_checkpoint, args.output_dir)
-                   if args.resume_from_checkpoint else None)
-    if args.model_name_or_path == str(TINY_LLAMA_DIR) and not TINY_LLAMA_DIR.is_dir():
-        raise UserError(f"the bundled tiny llama ({TINY_LLAMA_DIR}) has not been built: run python -m "
-                        "train.pretrain_tiny, or name a model with --model_name_or_path")
-    config = load_config(args.model_name_or_path, args.trust_remote_code)
-    if args.bpt:
-        check_bpt_support(config)
-    rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-    return Preflight(config, tokenizer, rope_factor, resume_path)
-
-
-def start_position(accelerator, args: Args, resume_path: str | None, model, optimizer, scheduler):
-    """(step, (epoch, batch)) to start from: the checkpoint's when resuming, else a clean output_dir."""
-    start_step, position = 0, (0, 0)
-    if resume_path:
-        state = checkpoint.load(resume_path, model=accelerator.unwrap_model(model), optimizer=optimizer,
-                                scheduler=scheduler, rank=accelerator.process_index)
-        start_step, position = state["step"], (state["epoch"], state["batch"])
-        if accelerator.is_main_process:
-            print(f"resumed from {resume_path} at step {start_step}", file=sys.stderr)
-    elif accelerator.is_main_process and args.overwrite_output_dir:
-        clear_previous_run(args.output_dir)
-    if accelerator.is_main_process:
-        checkpoint.remove_leftovers(args.output_dir)
-    accelerator.wait_for_everyone()
-    return start_step, position
-
+# ---------------------------------------------------------------- the run and the command line
 
 def run(args: Args) -> RunResult:
     """The whole run; returns the trained model (for in-process use and tests)."""
@@ -400,6 +528,7 @@ def run(args: Args) -> RunResult:
     from train.model import build_model
 
     started = time.time()
+    silence_library_noise()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     plan = preflight(args)
@@ -409,8 +538,11 @@ def run(args: Args) -> RunResult:
     if plan.resume_path:
         checkpoint.check_compatible(checkpoint.read_state(plan.resume_path), args, accelerator.num_processes,
                                     plan.resume_path)
-    with accelerator.main_process_first():  # rank 0 fills the datasets cache, the others reuse it
-        dataset = load_data(args, tokenizer)
+    # The main process first (it fills the datasets cache, the others reuse it); a data error there
+    # stops every rank with the same message.
+    dataset = on_main(accelerator, lambda: load_data(args, tokenizer))
+    if not main_process:
+        dataset = load_data(args, tokenizer, main_process=False)
     steps = total_steps(len(dataset), args, accelerator.num_processes)
 
     set_seed(args.seed)
@@ -426,13 +558,12 @@ def run(args: Args) -> RunResult:
     os.makedirs(args.output_dir, exist_ok=True)
     start_step, position = start_position(accelerator, args, plan.resume_path, model, optimizer, scheduler)
     if args.report_to != "none":
-        accelerator.init_trackers("train.qlora", config={k: v for k, v in args.to_dict().items()
-                                                          if isinstance(v, (int, float, str, bool))})
+        init_trackers(accelerator, args)
 
     eval_path = os.path.join(args.output_dir, EVAL_FILE)
     evals = _read_json(eval_path) if plan.resume_path else {}  # a resumed run keeps its "before"
     if args.eval_passkey and "before" not in evals:
-        evals["before"] = _evaluate(accelerator, model, tokenizer, args, "before", eval_path, evals)
+        evals["before"] = _evaluate(accelerator, model, tokenizer, args, "before", eval_path, evals, start_step)
 
     losses = train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, start_step=start_step,
                         position=position, steps=steps, last_checkpoint=plan.resume_path)
@@ -441,11 +572,12 @@ def run(args: Args) -> RunResult:
         trained.save_pretrained(args.output_dir)
         tokenizer.save_pretrained(args.output_dir)
     if args.eval_passkey:
-        evals["after"] = _evaluate(accelerator, model, tokenizer, args, "after", eval_path, evals)
-    if main_process and args.merge:
+        evals["after"] = _evaluate(accelerator, model, tokenizer, args, "after", eval_path, evals, steps)
+    if args.merge:
         from train.model import merge_adapter
 
-        merge_adapter(args, plan.config, args.output_dir, os.path.join(args.output_dir, "merged"), tokenizer)
+        on_main(accelerator, lambda: merge_adapter(args, plan.config, args.output_dir,
+                                                  os.path.join(args.output_dir, "merged"), tokenizer))
     if main_process:  # last: the marker that the run finished
         _write_json(os.path.join(args.output_dir, RUN_INFO_FILE), {
             "finished": True, "steps": steps, "final_loss": losses[-1] if losses else None,
@@ -459,28 +591,20 @@ def run(args: Args) -> RunResult:
     return RunResult(model=trained, tokenizer=tokenizer, losses=losses, eval=evals or None)
 
 
-def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict) -> dict | None:
-    """Passkey accuracy on the main process (the others wait: greedy decoding needs no data parallelism),
-    printed and written to eval.json under `when` ("before"/"after") beside the earlier results in `evals`."""
-    result = None
-    if accelerator.is_main_process:
-        result = passkey_eval(accelerator.unwrap_model(model), tokenizer, args)
-        lengths = ", ".join(f"{length}: {acc:.3f}" for length, acc in result["by_length"].items())
-        print(f"passkey accuracy {when} training: {result['accuracy']:.3f} (by length {lengths})", flush=True)
-        _write_json(eval_path, {**evals, when: result})
-    accelerator.wait_for_everyone()
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
-    try:
-        run(parse_args(argv))
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    args = None
+    silence_library_noise()
+    with SIGNALS.mode(graceful=False):
+        try:
+            args = parse_args(argv)
+            run(args)
+        except UserError as error:
+            return leave(f"error: {error}", 2)
+        except TrainingDiverged as error:
+            return leave(f"error: {error}", 1)
+        except Interrupted as stop:
+            return leave(interrupted_message(stop, args, argv), stop.exit_code)
     return 0
 
 

@@ -1,0 +1,136 @@
+"""`python -m train.qlora` error paths and output beyond the one-line bad-input cases of test_qlora_cli:
+an output dir without write permission, what --no_packing truncates, library noise, and a user error
+under `accelerate launch` (2 CPU processes over gloo).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cli_helpers import ENV, REPO, base_argv
+from train.args import parse_args
+from train.qlora import main, run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _cli(argv, *, prefix=(), timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([*prefix, sys.executable, "-m", "train.qlora", *map(str, argv)], cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_output_dir_without_write_permission_is_refused_before_the_model_loads(tiny, tmp_path):
+    out = tmp_path / "read-only"
+    out.mkdir()
+    out.chmod(0o555)
+    prefix = []
+    if os.geteuid() == 0:  # root writes anywhere; drop the capabilities that let it (the rest of root stays)
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root, and setpriv is not there to drop root's permission bypass")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+    done = _cli(base_argv(tiny, out), prefix=prefix)
+    if done.returncode != 2 and done.stderr.startswith("setpriv"):
+        pytest.skip(f"setpriv cannot drop capabilities here: {done.stderr.strip()}")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert "Loading weights" not in done.stderr and "trainable parameters" not in done.stderr  # before heavy work
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: --output_dir {out} is not writable (Permission denied); choose a directory you can write to or "
+        "fix its permissions")
+    assert os.listdir(out) == []  # the probe file is gone
+
+
+def test_no_packing_says_once_what_it_truncated(tiny, tmp_path, capsys):
+    assert main(base_argv(tiny, tmp_path / "run", "--no_packing", "--max_seq_len", 48, "--max_steps", 1)) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "truncated" in line]
+    assert len(notes) == 1, notes
+    assert re.fullmatch(r"note: --no_packing truncated \d+ of 24 documents to --max_seq_len 48 tokens \(longest \d+; "
+                        r"\d+ tokens dropped, never trained on\); to keep them, pack \(drop --no_packing\) or raise "
+                        r"--max_seq_len", notes[0]), notes[0]
+
+
+# Runs a module as __main__ as if the CPU had AVX512-BF16 (this one may not): bitsandbytes then looks for
+# the optional `kernels` package at import and logs "Failed to load CPU gemm_4bit_forward ..." without it.
+SIMULATE_AVX512_BF16 = '''
+import importlib.abc, importlib.machinery, runpy, sys
+
+class Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "bitsandbytes.backends.cpu.ops":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        exec_module = spec.loader.exec_module
+
+        def patched(module):
+            import bitsandbytes.functional as functional
+            real, functional.has_avx512bf16 = functional.has_avx512bf16, lambda: True
+            try:
+                exec_module(module)  # its module-level check sees AVX512-BF16
+            finally:
+                functional.has_avx512bf16 = real
+            print("simulated AVX512-BF16", file=sys.stderr)
+
+        spec.loader.exec_module = patched
+        return spec
+
+sys.meta_path.insert(0, Finder())
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+'''
+
+
+def test_bitsandbytes_kernels_noise_is_silenced(tiny, tmp_path):
+    script = tmp_path / "simulate_avx512_bf16.py"
+    script.write_text(SIMULATE_AVX512_BF16)
+    noise = "Failed to load CPU gemm_4bit_forward"
+    control = subprocess.run([sys.executable, str(script), "bitsandbytes"], cwd=REPO, env=ENV, capture_output=True,
+                             text=True, timeout=300)  # bitsandbytes alone: the line is there
+    assert noise in control.stderr and "simulated AVX512-BF16" in control.stderr, control.stderr[-2000:]
+
+    argv = base_argv(tiny, tmp_path / "run", "--max_steps", 1)
+    done = subprocess.run([sys.executable, str(script), "train.qlora", *argv], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "simulated AVX512-BF16" in done.stderr  # the 4-bit run imported bitsandbytes' CPU ops
+    assert noise not in done.stderr + done.stdout
+
+
+# ---------------------------------------------------------------- accelerate launch
+
+def _launch(argv) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "2", "-m", "train.qlora", *map(str, argv)]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["resume with another process count", "broken jsonl line"])
+def test_user_error_under_accelerate_launch_is_one_line_from_the_main_process(tiny, tmp_path, case):
+    """The error is the only text our processes print about it: no second rank's copy, no gloo 'connection
+    closed' traceback from a rank left waiting, every rank exits 2 (torchrun's own report follows, and names
+    the same line as each rank's cause)."""
+    out = tmp_path / "run"
+    if case == "resume with another process count":  # only known once the process group exists
+        run(parse_args(base_argv(tiny, out, "--max_steps", 1, "--save_steps", 1)))
+        argv = base_argv(tiny, out, "--resume_from_checkpoint", out / "checkpoint-1")
+        expected = f"error: checkpoint {out / 'checkpoint-1'} was written with other data settings (processes 1 -> 2)"
+    else:  # found by the main process alone, while the other waits for it
+        (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": broken}\n')
+        argv = [*base_argv(tiny, out), "--dataset", tmp_path / "broken.jsonl"]
+        expected = f"error: could not read {tmp_path / 'broken.jsonl'}: line 2 is not valid JSON"
+    done = _launch(argv)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(expected), output[-4000:]
+    assert not re.search(r"^\[rank\d\]", output, re.M), output[-4000:]  # no worker traceback
+    assert "Connection closed" not in output and "ProcessGroup" not in output
+    # torchrun's report: both ranks exited 2 on their own (none was killed with SIGTERM half way) ...
+    assert len(re.findall(r"^\s+exitcode\s*:\s*2\b", output, re.M)) == 2, output[-4000:]
+    assert not re.search(r"exitcode\s*:\s*-", output)
+    # ... and it shows the user's line as each rank's cause, not its pointer to the elastic docs.
+    assert len(re.findall(r"traceback\s*:\s*" + re.escape(errors[0]), output)) == 2

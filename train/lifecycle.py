@@ -1,0 +1,192 @@
+"""The process around `python -m train.qlora`: SIGINT / SIGTERM (Interrupted, SIGNALS), library log lines
+that are not the user's problem (silence_library_noise, also used by train.eval), and leaving the command
+line with one line and its exit status (leave, interrupted_message, resume_command)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from train import checkpoint
+from train.args import Args
+
+# ---------------------------------------------------------------- SIGINT / SIGTERM
+
+REPEAT_WINDOW_S = 1.0  # a signal this soon after the first is the same stop request delivered twice
+
+
+class Interrupted(BaseException):
+    """SIGINT / SIGTERM stopped the run.
+
+    saved: the checkpoint written on the way out (a graceful stop after finishing `step`); None when a
+    repeated signal aborted at once (`again`), or the signal came outside the training loop.
+    A BaseException, like KeyboardInterrupt, so no `except Exception` on the way out swallows it.
+    """
+
+    def __init__(self, signum: int, *, again: bool = False, step: int | None = None, steps: int | None = None,
+                 saved: str | None = None, last_checkpoint: str | None = None):
+        super().__init__(signum)
+        self.signum, self.again, self.step, self.steps = signum, again, step, steps
+        self.saved, self.last_checkpoint = saved, last_checkpoint
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.saved:
+            return f"stopped by {name} after step {self.step} of {self.steps}: saved {self.saved}"
+        if self.again and self.step is not None:
+            return f"aborted by a second {name} during step {self.step}, without saving"
+        return f"aborted by {'a second ' if self.again else ''}{name} outside the training loop, without saving"
+
+
+class _Signals:
+    """SIGINT/SIGTERM handling, in the main thread only. In graceful mode (the training loop) a signal sets
+    `requested` and the loop stops after its step; otherwise (main() around the loop) it raises
+    Interrupted at once. A repeat within REPEAT_WINDOW_S of the first is ignored; a later one raises
+    Interrupted(again=True) in either mode. A signal the process was started ignoring stays ignored."""
+
+    def __init__(self):
+        self._reset()
+
+    def _reset(self) -> None:
+        self.graceful = False
+        self.requested: int | None = None  # the signal a graceful stop was asked with
+        self.first_at: float | None = None  # time.monotonic() of the first signal
+        self.previous: dict = {}  # signum -> the handler to restore
+
+    def _handle(self, signum, frame):
+        now = time.monotonic()
+        if self.first_at is not None and now - self.first_at < REPEAT_WINDOW_S:
+            return
+        again = self.first_at is not None
+        self.first_at = self.first_at if again else now
+        if self.graceful and not again:
+            self.requested = signum
+            return
+        raise Interrupted(signum, again=again)
+
+    def ignore_until_exit(self) -> None:
+        """A worker of a launcher on its way out after an error or a stop: torchrun SIGTERMs the workers
+        still running when one exits; let each finish its message and exit with its own status instead of
+        dying half way (the launcher's report would then show SIGTERM, not the reason)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+                if sig in self.previous:
+                    self.previous[sig] = signal.SIG_IGN  # leaving mode() must not re-arm it
+
+    @contextlib.contextmanager
+    def mode(self, graceful: bool):
+        fresh = not self.previous
+        if fresh and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous = signal.getsignal(sig)
+                if previous is not signal.SIG_IGN:
+                    self.previous[sig] = previous
+                    signal.signal(sig, self._handle)
+        outer, self.graceful = self.graceful, graceful
+        try:
+            yield self
+        finally:
+            self.graceful = outer
+            if fresh:
+                for sig, previous in self.previous.items():
+                    signal.signal(sig, previous)
+                self._reset()
+
+
+SIGNALS = _Signals()
+
+
+# ---------------------------------------------------------------- library log noise
+
+# Library log lines that are not the user's problem: (logger, message prefix). bitsandbytes looks for an
+# optional faster CPU kernel on CPUs with AVX512-BF16 and logs a "failure" when it is not installed; the
+# fallback it then uses is the normal path.
+LIBRARY_NOISE = (("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),)
+
+
+class _NoiseFilter(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def silence_library_noise() -> None:
+    """Drop the LIBRARY_NOISE log lines (only those: every other message of the same loggers still shows).
+    Idempotent; must run before the library is imported when the line is logged at import."""
+    for name, prefix in LIBRARY_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoiseFilter) and f.prefix == prefix for f in logger.filters):
+            logger.addFilter(_NoiseFilter(prefix))
+
+
+# ---------------------------------------------------------------- leaving the command line
+
+def is_main_process() -> bool:
+    """Rank 0, from the launcher's environment (valid before and after the process group exists)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that resumes this run: its own flags, with --resume_from_checkpoint latest."""
+    kept, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--resume_from_checkpoint":
+            i += 2  # the flag and its value
+            continue
+        if not argv[i].startswith("--resume_from_checkpoint="):
+            kept.append(argv[i])
+        i += 1
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    launcher = ("accelerate launch <the same launch options> -m train.qlora" if distributed
+                else "python -m train.qlora")
+    return f"{launcher} {shlex.join([*kept, '--resume_from_checkpoint', 'latest'])}"
+
+
+def interrupted_message(stop: Interrupted, args: Args | None, argv: list[str]) -> str:
+    """One line: what the signal stopped, what is on disk, and how to go on."""
+    if stop.saved:
+        return f"{stop}; resume with: {resume_command(argv)}"
+    last = stop.last_checkpoint
+    if last is None and args is not None:  # outside the loop: whatever an earlier part of the run saved
+        found = checkpoint.list_checkpoints(args.output_dir)
+        last = found[-1] if found else None
+    where = (f"the last checkpoint is {last}; resume with: {resume_command(argv)}" if last
+             else "no checkpoint was written")
+    return f"error: {stop}; {where}"
+
+
+def _tell_launcher(message: str) -> None:
+    """torchrun (accelerate launch) shows a failed worker's error file as the "traceback" of its failure
+    report: give it the user's line instead of its pointer to the elastic docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+
+
+def leave(message: str, code: int) -> int:
+    """Print one line (main process only), tear down the process group, return the exit status."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        SIGNALS.ignore_until_exit()
+    if is_main_process():
+        print(message, file=sys.stderr, flush=True)
+    _tell_launcher(message)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return code
