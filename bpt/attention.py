@@ -224,38 +224,31 @@ def _validate(q, k, v, scale, padding_mask, segment_ids, window, slopes, softcap
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
     for name, t in (("padding_mask", padding_mask), ("segment_ids", segment_ids)):
-        if t is None:
-            continue
-        if not isinstance(t, Tensor) or tuple(t.shape) != (b, nk):
-            raise ValueError(f"{name} must be a [batch, kv_len] = [{b}, {nk}] tensor, got "
-                             f"{getattr(t, 'shape', type(t))}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-        if t.is_floating_point() or t.is_complex():
-            raise ValueError(f"{name} must be a bool or integer tensor, got {t.dtype}")
+        _check_side_input(name, t, (b, nk), "[batch, kv_len]", q, floating=False)
     if segment_ids is not None and q.shape[2] > nk:
         raise ValueError(f"segment_ids need q_len <= kv_len (queries are the last keys), got "
                          f"{q.shape[2]} > {nk}")
-    if slopes is not None:
-        if not isinstance(slopes, Tensor) or tuple(slopes.shape) != (hq,):
-            raise ValueError(f"alibi_slopes must be a [{hq}] tensor (one slope per query head), got "
-                             f"{getattr(slopes, 'shape', type(slopes))}")
-        if not slopes.is_floating_point():
-            raise ValueError(f"alibi_slopes must be floating point, got {slopes.dtype}")
-        if slopes.device != q.device:
-            raise ValueError(f"alibi_slopes is on {slopes.device} but q is on {q.device}")
+    _check_side_input("alibi_slopes", slopes, (hq,), "[q_heads] (one slope per query head)", q, floating=True)
+    _check_side_input("key_bias", key_bias, (b, hq, nk), "[batch, q_heads, kv_len]", q, floating=True)
     if key_bias is not None:
         if slopes is not None:
             raise ValueError("pass alibi_slopes or key_bias, not both (fold the slopes into key_bias)")
-        if not isinstance(key_bias, Tensor) or tuple(key_bias.shape) != (b, hq, nk):
-            raise ValueError(f"key_bias must be a [batch, q_heads, kv_len] = [{b}, {hq}, {nk}] tensor, got "
-                             f"{getattr(key_bias, 'shape', type(key_bias))}")
-        if not key_bias.is_floating_point():
-            raise ValueError(f"key_bias must be floating point, got {key_bias.dtype}")
-        if key_bias.device != q.device:
-            raise ValueError(f"key_bias is on {key_bias.device} but q is on {q.device}")
         if key_bias.requires_grad:
             raise ValueError("key_bias gets no gradient from blockwise_attention; pass key_bias.detach()")
+
+
+def _check_side_input(name: str, t, shape: tuple[int, ...], meaning: str, q: Tensor, *, floating: bool):
+    """Shape, device and dtype kind of an optional O(N) input (None passes)."""
+    if t is None:
+        return
+    if not isinstance(t, Tensor) or tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be a {meaning} = {list(shape)} tensor, got {getattr(t, 'shape', type(t))}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if floating and not t.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if not floating and (t.is_floating_point() or t.is_complex()):
+        raise ValueError(f"{name} must be a bool or integer tensor, got {t.dtype}")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -13,6 +13,23 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZ
        "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
+def save_tiny_llama(directory: Path) -> None:
+    """A tiny llama (128 positions) with the char-level tokenizer of train.pretrain_tiny, saved to `directory`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from train.pretrain_tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
 def base_argv(tiny, out, *extra) -> list[str]:
     return ["--model_name_or_path", str(tiny / "model"), "--dataset", str(tiny / "data.jsonl"),
             "--output_dir", str(out), "--max_seq_len", "64", "--max_steps", "4", "--lora_r", "4",

@@ -25,19 +25,10 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny llama with the char-level tokenizer of train.pretrain_tiny, and a jsonl of short documents."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from train.pretrain_tiny import build_tokenizer
+    from cli_helpers import save_tiny_llama
 
     root = tmp_path_factory.mktemp("tiny")
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_tiny_llama(root / "model")
     rng = random.Random(0)
     with open(root / "data.jsonl", "w") as f:
         for i in range(24):

@@ -364,7 +364,7 @@ def test_memory_is_blockwise():
     (dict(softcap=0.0), "softcap must be a positive"),
     (dict(padding_mask=torch.ones(1, 5, dtype=torch.bool)), r"padding_mask must be a \[batch, kv_len\]"),
     (dict(segment_ids=torch.zeros(1, 4)), "bool or integer"),
-    (dict(alibi_slopes=torch.ones(2)), r"alibi_slopes must be a \[4\]"),
+    (dict(alibi_slopes=torch.ones(2)), r"alibi_slopes must be a \[q_heads\] \(one slope per query head\) = \[4\]"),
     (dict(compile="yes"), "compile must be"),
 ])
 def test_invalid_inputs(change, match):

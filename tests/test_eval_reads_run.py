@@ -21,21 +21,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared CP
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(base dir, finished run dir) of a 2-step 4-bit YaRN run with its passkey evaluation."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from cli_helpers import save_tiny_llama
     from train.args import parse_args as train_args
-    from train.pretrain_tiny import build_tokenizer
     from train.qlora import run
 
     root = tmp_path_factory.mktemp("reads_run")
-    tokenizer = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
+    save_tiny_llama(root / "base")
     run(train_args(["--model_name_or_path", str(root / "base"), "--dataset", "passkey", "--passkey_samples", "4",
                     "--max_seq_len", str(TRAIN_LENGTH), "--rope_scaling", "yarn", "--output_dir", str(root / "run"),
                     "--max_steps", "2", "--save_steps", "2", "--lora_r", "4", "--learning_rate", "1e-2",

@@ -144,7 +144,8 @@ def test_kernel_compiled_under_autocast_equals_eager():
     eager = _with_grads(lambda *a: _blockwise(*a, compile=False), q, k, v, padding)
     compiled = _with_grads(lambda *a: _blockwise(*a, compile=True), q, k, v, padding)
     for c, e in zip([compiled[0], *compiled[1]], [eager[0], *eager[1]]):
-        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+        # fp32 math that agrees to ~1e-6, rounded to bf16 at the end: at most one bf16 step (2^-7) apart
+        torch.testing.assert_close(c, e, rtol=2 ** -7, atol=1e-5)
 
 
 def test_mixed_dtypes_without_autocast_say_what_to_do():
