@@ -37,6 +37,54 @@ FAMILIES: dict[str, Family] = {
     "gpt2": Family(base="transformer", layers="h", attention="attn", learned_positions="n_positions"),
     "bloom": Family(base="transformer", layers="h", attention="self_attention", bound_attention="bloom"),
     "falcon": Family(base="transformer", layers="h", attention="self_attention", bound_attention="falcon"),
+    # Llama-shaped rows: attention through AttentionInterface, masks through create_causal_mask /
+    # create_sliding_window_causal_mask (sliding layers of `layer_types` get their window from the mask),
+    # decoder layers at model.layers[i].self_attn / .mlp (an MoE block in the *_moe rows: routing is per
+    # token, so running it per sequence chunk is exact; its aux loss is refused by check_supported), lm_head.
+    "afmoe": LLAMA_LIKE,
+    "arcee": LLAMA_LIKE,
+    "bitnet": LLAMA_LIKE,
+    "dots1": LLAMA_LIKE,
+    "ernie4_5": LLAMA_LIKE,
+    "exaone4": LLAMA_LIKE,
+    "exaone_moe": LLAMA_LIKE,
+    "glm": LLAMA_LIKE,  # partial rotary: applied before attention, nothing for the kernel to do
+    "glm4": LLAMA_LIKE,
+    "glm4_moe": LLAMA_LIKE,
+    "helium": LLAMA_LIKE,
+    "hunyuan_v1_dense": LLAMA_LIKE,  # QK-norm inside the attention module, before AttentionInterface
+    "hunyuan_v1_moe": LLAMA_LIKE,
+    "hy_v3": LLAMA_LIKE,
+    "internlm3": LLAMA_LIKE,
+    "iquestcoder": LLAMA_LIKE,
+    "jais2": LLAMA_LIKE,
+    "laguna": LLAMA_LIKE,
+    "ministral": LLAMA_LIKE,
+    "nemotron": LLAMA_LIKE,
+    "olmo": LLAMA_LIKE,
+    "olmo2": LLAMA_LIKE,
+    "olmo3": LLAMA_LIKE,
+    "olmoe": LLAMA_LIKE,
+    "persimmon": LLAMA_LIKE,  # partial rotary + QK layernorm, both before AttentionInterface
+    "phi": LLAMA_LIKE,  # partial rotary; parallel attention + MLP block
+    "seed_oss": LLAMA_LIKE,
+    "smollm3": LLAMA_LIKE,  # NoPE layers: rotary skipped before attention
+    "stablelm": LLAMA_LIKE,  # partial rotary
+    # Final logit softcap (tanh) applied by the CausalLM after lm_head: the chunked loss must apply it too.
+    "beam": Family(logit_softcap="final_logit_softcapping"),
+    "gemma3_text": Family(logit_softcap="final_logit_softcapping"),
+    # Gemma 4 text: dense MLP at layer.mlp. With enable_moe_block=True the experts are attributes of the decoder
+    # layer itself (router / experts), not of layer.mlp: exact, but those run unchunked.
+    "gemma4_text": Family(logit_softcap="final_logit_softcapping"),
+    "gemma4_unified_text": Family(logit_softcap="final_logit_softcapping"),
+    "nanochat": Family(logit_softcap="final_logit_softcapping"),
+    "vaultgemma": Family(logit_softcap="final_logit_softcapping"),
+    # GPT-2 shaped: transformer.h[i].attn / .mlp, learned absolute positions.
+    "gpt-sw3": Family(base="transformer", layers="h", attention="attn", learned_positions="n_positions"),
+    "gpt_bigcode": Family(base="transformer", layers="h", attention="attn", learned_positions="n_positions"),  # MQA
+    # JetMoE: mixture-of-attention-heads module at layer.self_attention (experts project q / o around one
+    # AttentionInterface call), MoE MLP at layer.mlp.
+    "jetmoe": Family(attention="self_attention"),
 }
 
 

@@ -9,6 +9,12 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidde
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                attention_dropout=0.0, tie_word_embeddings=False)
 
+# One sliding-window layer and one full-attention layer (families with per-layer `layer_types`).
+_SLIDING_AND_FULL = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=7)
+# Mixture of experts: 4 experts, top-2 (each family reads the names it knows; the rest are ignored).
+_MOE = dict(num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            shared_expert_intermediate_size=24)
+
 # name -> (model_type, config overrides). Several variants may share a family.
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "llama": ("llama", _COMMON),
@@ -36,6 +42,29 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "falcon_gqa": ("falcon", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   num_kv_heads=2, new_decoder_architecture=True, alibi=False,
                                   attention_dropout=0.0, hidden_dropout=0.0, max_position_embeddings=256)),
+    # Families added from issue 7's first step (rows that reuse an existing Family shape).
+    **{name: (name, {**_COMMON, "head_dim": 8}) for name in (
+        "arcee", "bitnet", "ernie4_5", "glm", "glm4", "helium", "hunyuan_v1_dense",
+        "internlm3", "iquestcoder", "jais2", "nemotron", "olmo", "olmo2", "persimmon", "phi", "stablelm")},
+    "seed_oss": ("seed_oss", {**_COMMON, "head_dim": 8, "residual_dropout": 0.0}),
+    **{name: (name, {**_COMMON, "head_dim": 8, **_SLIDING_AND_FULL}) for name in (
+        "exaone4", "ministral", "olmo3")},
+    "smollm3": ("smollm3", {**_COMMON, "use_sliding_window": True, **_SLIDING_AND_FULL}),
+    **{name: (name, {**_COMMON, "head_dim": 8, **_MOE}) for name in (
+        "glm4_moe", "hunyuan_v1_moe", "hy_v3", "olmoe")},
+    "jetmoe": ("jetmoe", {**_COMMON, **_MOE, "num_key_value_heads": 4}),  # the MoA module has no GQA
+    "dots1": ("dots1", {**_COMMON, **_MOE, **_SLIDING_AND_FULL, "n_shared_experts": 1, "first_k_dense_replace": 1}),
+    **{name: (name, {**_COMMON, "head_dim": 8, **_MOE, **_SLIDING_AND_FULL}) for name in (
+        "afmoe", "exaone_moe", "laguna")},
+    "beam": ("beam", {**_COMMON, "head_dim": 8, **_MOE, **_SLIDING_AND_FULL, "final_logit_softcapping": 3.0}),
+    "nanochat": ("nanochat", {**_COMMON, "final_logit_softcapping": 3.0}),
+    **{name: (name, {**_COMMON, "head_dim": 8, **_SLIDING_AND_FULL, "final_logit_softcapping": 3.0,
+                     "query_pre_attn_scalar": 16}) for name in ("gemma3_text", "vaultgemma")},
+    **{name: (name, {**_COMMON, "head_dim": 8, "global_head_dim": 16, **_SLIDING_AND_FULL,
+                     "final_logit_softcapping": 3.0, "hidden_size_per_layer_input": 8,
+                     "vocab_size_per_layer_input": VOCAB}) for name in ("gemma4_text", "gemma4_unified_text")},
+    **{name: (name, dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, attn_pdrop=0.0,
+                         resid_pdrop=0.0, embd_pdrop=0.0)) for name in ("gpt-sw3", "gpt_bigcode")},
 }
 
 

@@ -1,0 +1,15 @@
+"""The README's family list is the registry's (DESIGN.md principle 6: every table has a sync test)."""
+import re
+from pathlib import Path
+
+from patches import FAMILIES
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_lists_exactly_the_supported_families():
+    text = README.read_text()
+    listed = re.search(r"<!-- families -->(.*?)<!-- /families -->", text, re.S).group(1)
+    names = [name.strip() for name in listed.replace("\n", " ").split(",")]
+    assert names == sorted(FAMILIES)
+    assert f"(`config.model_type`, {len(FAMILIES)};" in text
