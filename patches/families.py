@@ -18,6 +18,8 @@ class Family:
     head: str = "lm_head"  # attribute of the CausalLM holding the output projection
     attention: str = "self_attn"  # attribute of a decoder layer holding its attention module
     bound_attention: str | None = None  # key in patches.bound_attention.BINDERS; None = AttentionInterface
+    logit_scale: str | None = None  # config attribute the CausalLM multiplies lm_head's logits by (None value: 1)
+    logit_divisor: str | None = None  # config attribute the CausalLM divides lm_head's logits by (None value: 1)
     logit_softcap: str | None = None  # config attribute with the final logit softcap, if any
     learned_positions: str | None = None  # config attribute bounding learned absolute positions
 
@@ -85,6 +87,17 @@ FAMILIES: dict[str, Family] = {
     # JetMoE: mixture-of-attention-heads module at layer.self_attention (experts project q / o around one
     # AttentionInterface call), MoE MLP at layer.mlp.
     "jetmoe": Family(attention="self_attention"),
+    # Logit scaling: the CausalLM multiplies (Cohere, HyperCLOVA X MuP) or divides (Granite) lm_head's output by a
+    # config value before the loss; the chunked loss applies the same factor to each chunk's logits.
+    "cohere": Family(logit_scale="logit_scale"),
+    "cohere2": Family(logit_scale="logit_scale"),
+    "cohere_compass_text": Family(logit_scale="logit_scale"),  # Compass text decoder; M-RoPE, one position per axis
+    "granite": Family(logit_divisor="logits_scaling"),
+    # Granite MoE: the MoE block is layer.block_sparse_moe; granitemoeshared's shared_mlp (added beside it by the
+    # decoder layer) is exact but runs unchunked.
+    "granitemoe": Family(mlp="block_sparse_moe", logit_divisor="logits_scaling"),
+    "granitemoeshared": Family(mlp="block_sparse_moe", logit_divisor="logits_scaling"),
+    "hyperclovax": Family(logit_scale="logits_scaling"),  # multiplies, unlike Granite's same-named attribute
 }
 
 

@@ -41,6 +41,7 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
             chunk=options.loss_chunk,
             num_items_in_batch=extra.get("num_items_in_batch"),
             shift_labels=extra.get("shift_labels"),
+            logit_scale=logit_factor(model.config, family),
             logit_softcap=softcap,
             compile=options.compile,
         )
@@ -53,6 +54,19 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
         )
 
     return forward
+
+
+def logit_factor(config, family: Family) -> float | None:
+    """The factor the stock CausalLM applies to lm_head's logits (config read per call, as Granite's forward
+    does): config.<logit_scale>, or 1 / config.<logit_divisor>; a None config value means 1. None: no scaling."""
+    factor = 1.0
+    if family.logit_scale:
+        scale = getattr(config, family.logit_scale)
+        factor *= 1.0 if scale is None else float(scale)
+    if family.logit_divisor:
+        divisor = getattr(config, family.logit_divisor)
+        factor /= 1.0 if divisor is None else float(divisor)
+    return None if factor == 1.0 else factor
 
 
 def _check_positions(model, family: Family, arguments: dict):

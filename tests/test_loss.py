@@ -34,8 +34,10 @@ def _labels(seed=2, ignored=0.3) -> torch.Tensor:
     return labels
 
 
-def _reference(hidden, head, labels, softcap=None, **kwargs):
+def _reference(hidden, head, labels, softcap=None, scale=None, **kwargs):
     logits = head(hidden)  # [B, N, V]: the full logits the chunked loss never builds
+    if scale is not None:
+        logits = logits * scale  # as Cohere's / Granite's CausalLM do after lm_head
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return ForCausalLMLoss(logits, labels, V, **kwargs)
@@ -52,12 +54,12 @@ def _assert_close(actual, expected, rel=1e-5):
         assert (a - e).abs().max().item() <= rel * scale, (a - e).abs().max().item() / scale
 
 
-def _check(chunk=CHUNK, softcap=None, labels=None, **kwargs):
+def _check(chunk=CHUNK, softcap=None, scale=None, labels=None, **kwargs):
     head, hidden = _head(), _hidden()
     labels = _labels() if labels is None else labels
     wrt = [hidden, head.weight, head.bias]
-    expected = _reference(hidden, head, labels, softcap, **kwargs)
-    loss = chunked_lm_loss(hidden, head, labels, chunk=chunk, logit_softcap=softcap, **kwargs)
+    expected = _reference(hidden, head, labels, softcap, scale, **kwargs)
+    loss = chunked_lm_loss(hidden, head, labels, chunk=chunk, logit_softcap=softcap, logit_scale=scale, **kwargs)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     _assert_close([loss], [expected])
     _assert_close(_grads(loss * 2.5, wrt), _grads(expected * 2.5, wrt))  # grad_output != 1 (e.g. a loss scaler)
@@ -84,6 +86,14 @@ def test_shift_labels_given():
 
 def test_logit_softcap():
     _check(softcap=3.0)  # hidden * 2 makes |logits| reach the cap's nonlinear range
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["no_softcap", "softcap"])
+@pytest.mark.parametrize("scale", [0.5, 1 / 3, 4.0])
+def test_logit_scale(scale, softcap):
+    """Cohere's logits * logit_scale, Granite's logits / logits_scaling (factor 1 / logits_scaling): loss and
+    gradients include the factor; with a softcap too, the scale comes first (no family has both today)."""
+    _check(scale=scale, softcap=softcap)
 
 
 def test_custom_ignore_index():

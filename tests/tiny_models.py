@@ -65,6 +65,21 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
                      "vocab_size_per_layer_input": VOCAB}) for name in ("gemma4_text", "gemma4_unified_text")},
     **{name: (name, dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, attn_pdrop=0.0,
                          resid_pdrop=0.0, embd_pdrop=0.0)) for name in ("gpt-sw3", "gpt_bigcode")},
+    # Logit scaling after lm_head (non-trivial factors, so a loss that skipped them would fail).
+    "cohere": ("cohere", {**_COMMON, "logit_scale": 0.5, "use_qk_norm": True}),
+    "cohere2": ("cohere2", {**_COMMON, "head_dim": 8, **_SLIDING_AND_FULL, "logit_scale": 0.5}),
+    "cohere_compass_text": ("cohere_compass_text", {
+        **_COMMON, "head_dim": 8, **_SLIDING_AND_FULL, "logit_scale": 0.5,
+        "rope_parameters": {layer: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+                            for layer in ("sliding_attention", "full_attention")}}),
+    **{name: (name, {**_COMMON, **_MOE, "logits_scaling": 4.0, "embedding_multiplier": 2.0,
+                     "residual_multiplier": 0.5, "attention_multiplier": 0.25})
+       for name in ("granite", "granitemoe")},
+    "granitemoeshared": ("granitemoeshared", {**_COMMON, **_MOE, "shared_intermediate_size": 24, "logits_scaling": 4.0,
+                                              "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                                              "attention_multiplier": 0.25}),
+    "hyperclovax": ("hyperclovax", {**_COMMON, "head_dim": 8, "logits_scaling": 0.5, "embedding_multiplier": 2.0,
+                                    "residual_multiplier": 0.5}),
 }
 
 
