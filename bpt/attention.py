@@ -25,8 +25,14 @@ Semantics shared by every path:
   1 / (1 - dropout); the softmax normaliser counts every probability. On the blockwise path each block's
   keep-mask is drawn from its own generator seeded by (dropout_seed, block), so backward replays it
   exactly; the SDPA path uses SDPA's own dropout.
+- Attention sinks: sinks [Hq] is a learned logit per query head that joins every row's softmax normaliser
+  as a virtual key with value 0 (gpt-oss `s_aux`): p_j = exp(s_j) / (exp(sink_h) + sum_k exp(s_k)), out =
+  sum_j p_j v_j, so the probabilities sum to less than 1. The sink starts each row's running max / sum
+  (m = sink, l = 1): no extra pass. Its gradient is d sink_h = -sum over rows (and batch) of
+  exp(sink_h - lse) * rowsum(dO * O). Always the blockwise path (SDPA has no sinks).
 - A query row with no visible key outputs exact zeros and gets zero gradients (stock kernels may give
-  NaN or garbage there; models ignore those rows, e.g. left-padded queries).
+  NaN or garbage there; models ignore those rows, e.g. left-padded queries). With sinks such a row attends
+  only to its sink: output 0 as well, a finite logsumexp (the sink), and zero q/k/v gradients.
 - Precision (the rules stock SDPA follows): under autocast, q/k/v are first cast to the autocast dtype
   (SDPA is on autocast's lower-precision list, so stock attention sees the same inputs). The blockwise
   path then runs with autocast off and computes scores, softmax statistics and accumulators in fp32
@@ -106,6 +112,7 @@ def blockwise_attention(
     alibi_slopes: Tensor | None = None,
     key_bias: Tensor | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     dropout: float = 0.0,
     dropout_seed: int | None = None,
     q_block: int = 1024,
@@ -116,7 +123,8 @@ def blockwise_attention(
 
     Hq must be a multiple of Hkv (GQA / MQA; K/V are never repeated in memory). padding_mask [B, Nk]
     (True / nonzero = real key), segment_ids [B, Nk] (packed documents), alibi_slopes [Hq], key_bias
-    [B, Hq, Nk] (finite, no gradient; not together with alibi_slopes: it replaces them). See the
+    [B, Hq, Nk] (finite, no gradient; not together with alibi_slopes: it replaces them), sinks [Hq] (one
+    learned sink logit per query head, may require grad; forces the blockwise path). See the
     module docstring for the exact masking and scoring rules. q_block / kv_block: tokens per block of
     the blockwise path (memory ~ B * Hq * q_block * kv_block scores per block). compile: torch.compile
     the per-block math (None = only on CUDA, see bpt.compile). dropout: probability of dropping each
@@ -125,17 +133,18 @@ def blockwise_attention(
     """
     q, k, v = _autocast_inputs(q, k, v)
     _validate(q, k, v, scale, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap,
-              q_block, kv_block, compile, key_bias, dropout)
+              q_block, kv_block, compile, key_bias, dropout, sinks)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    if key_bias is None and _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window,
-                                          alibi_slopes, softcap):
+    needs_blockwise = key_bias is not None or sinks is not None  # SDPA takes neither
+    if not needs_blockwise and _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window,
+                                             alibi_slopes, softcap):
         return _sdpa(q, k, v, scale, causal, dropout)
     if dropout and dropout_seed is None:
         dropout_seed = int(torch.randint(2 ** 62, (), dtype=torch.int64))
     return _blockwise(q, k, v, scale=scale, causal=causal, padding_mask=padding_mask,
                       segment_ids=segment_ids, sliding_window=sliding_window, alibi_slopes=alibi_slopes,
                       softcap=softcap, q_block=q_block, kv_block=kv_block, compile=compile, key_bias=key_bias,
-                      dropout=float(dropout), dropout_seed=int(dropout_seed or 0))
+                      dropout=float(dropout), dropout_seed=int(dropout_seed or 0), sinks=sinks)
 
 
 def segment_ids_from_position_ids(position_ids: Tensor) -> Tensor:
@@ -187,7 +196,7 @@ def _autocast_off(fn):
 
 
 def _validate(q, k, v, scale, padding_mask, segment_ids, window, slopes, softcap, q_block, kv_block,
-              compile, key_bias=None, dropout=0.0):
+              compile, key_bias=None, dropout=0.0, sinks=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [batch, heads, seq, head_dim], got "
@@ -230,6 +239,7 @@ def _validate(q, k, v, scale, padding_mask, segment_ids, window, slopes, softcap
                          f"{q.shape[2]} > {nk}")
     _check_side_input("alibi_slopes", slopes, (hq,), "[q_heads] (one slope per query head)", q, floating=True)
     _check_side_input("key_bias", key_bias, (b, hq, nk), "[batch, q_heads, kv_len]", q, floating=True)
+    _check_side_input("sinks", sinks, (hq,), "[q_heads] (one sink logit per query head)", q, floating=True)
     if key_bias is not None:
         if slopes is not None:
             raise ValueError("pass alibi_slopes or key_bias, not both (fold the slopes into key_bias)")
@@ -315,7 +325,8 @@ def _sdpa(q, k, v, scale, causal, dropout):
 
 
 def _blockwise(q, k, v, *, scale, causal, padding_mask, segment_ids, sliding_window, alibi_slopes,
-               softcap, q_block, kv_block, compile, key_bias=None, dropout=0.0, dropout_seed=0) -> Tensor:
+               softcap, q_block, kv_block, compile, key_bias=None, dropout=0.0, dropout_seed=0,
+               sinks=None) -> Tensor:
     """The blockwise path, always (no fused-kernel dispatch). Inputs already validated."""
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -330,13 +341,13 @@ def _blockwise(q, k, v, *, scale, causal, padding_mask, segment_ids, sliding_win
         alibi_slopes = alibi_slopes.to(spec.acc_dtype).view(hkv, hq // hkv)  # [Hkv, G]
     if key_bias is not None:  # takes the slopes' place (see _add_alibi_)
         alibi_slopes = key_bias.to(spec.acc_dtype).reshape(b, hkv, hq // hkv, nk)  # [B, Hkv, G, Nk]
-    return _BlockwiseAttention.apply(q, k, v, padding_mask, segment_ids, alibi_slopes, spec)
+    return _BlockwiseAttention.apply(q, k, v, padding_mask, segment_ids, alibi_slopes, sinks, spec)
 
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     @_autocast_off
-    def forward(ctx, q, k, v, padding_mask, segment_ids, slopes, spec: _Spec):
+    def forward(ctx, q, k, v, padding_mask, segment_ids, slopes, sinks, spec: _Spec):
         b, hq, nq, d = q.shape
         hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
         bh, g = b * hkv, spec.groups
@@ -347,13 +358,18 @@ class _BlockwiseAttention(torch.autograd.Function):
         out = q.new_empty(b, hq, nq, dv)
         out3 = out.view(bh, g, nq, dv)
         acc_dtype = spec.acc_dtype
-        lse = q.new_empty(bh, g, nq, dtype=acc_dtype)  # per-row logsumexp, +inf for empty rows
+        lse = q.new_empty(bh, g, nq, dtype=acc_dtype)  # per-row logsumexp, +inf for empty rows (no sinks)
+        sink3 = _sink_rows(sinks, b, hkv, g, acc_dtype)  # [BH, G, 1] or None
         work = _Workspace(enabled=not spec.use_compile)
         for i0, i1, blocks in plan:
             rows = g * (i1 - i0)
             qs = _scaled_rows(q3, i0, i1, spec)  # [BH, R, D], R = G * bq
-            m = q.new_full((bh, rows), _MAX_INIT, dtype=acc_dtype)  # running max
-            l = q.new_zeros((bh, rows), dtype=acc_dtype)  # running sum of exp
+            if sink3 is None:
+                m = q.new_full((bh, rows), _MAX_INIT, dtype=acc_dtype)  # running max
+                l = q.new_zeros((bh, rows), dtype=acc_dtype)  # running sum of exp
+            else:  # the sink is a virtual first key: exp(sink - m) = 1 with m = sink
+                m = sink3.expand(bh, g, i1 - i0).reshape(bh, rows).clone()
+                l = q.new_ones((bh, rows), dtype=acc_dtype)
             acc = q.new_zeros((bh, rows, dv), dtype=acc_dtype)  # running sum of p @ v
             for blk in blocks:
                 shape = (bh, rows, blk.j1 - blk.j0)
@@ -364,7 +380,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             out_b, lse_b = _finish_rows(m, l, acc)
             out3[:, :, i0:i1] = out_b.view(bh, g, i1 - i0, dv)
             lse[:, :, i0:i1] = lse_b.view(bh, g, i1 - i0)
-        ctx.save_for_backward(q3, k3, v3, out, lse, padding_mask, segment_ids, slopes)
+        ctx.save_for_backward(q3, k3, v3, out, lse, padding_mask, segment_ids, slopes, sinks)
         ctx.spec, ctx.plan, ctx.shapes = spec, plan, (q.shape, k.shape, v.shape)
         return out
 
@@ -372,7 +388,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     @once_differentiable
     @_autocast_off
     def backward(ctx, dout):
-        q3, k3, v3, out, lse, padding_mask, segment_ids, slopes = ctx.saved_tensors
+        q3, k3, v3, out, lse, padding_mask, segment_ids, slopes, sinks = ctx.saved_tensors
         spec, plan = ctx.spec, ctx.plan
         q_shape, k_shape, v_shape = ctx.shapes
         bh, g, nq, d = q3.shape
@@ -384,15 +400,20 @@ class _BlockwiseAttention(torch.autograd.Function):
         dq = torch.zeros(q3.shape, dtype=acc_dtype, device=q3.device)  # [BH, G, Nq, D]
         dk = torch.zeros(k3.shape, dtype=acc_dtype, device=k3.device)  # [BH, Nk, D]
         dv = torch.zeros(v3.shape, dtype=acc_dtype, device=v3.device)  # [BH, Nk, Dv]
+        sink3 = _sink_rows(sinks, b, k_shape[1], g, acc_dtype)  # [BH, G, 1] or None
+        dsink = None if sink3 is None else torch.zeros((bh, g), dtype=acc_dtype, device=q3.device)  # [BH, G]
         work = _Workspace(enabled=not spec.use_compile)
         for i0, i1, blocks in plan:
             if not blocks:
-                continue  # rows with no visible key: zero gradients
+                continue  # rows with no visible key: O = 0, so zero gradients (the sink's too)
             rows = g * (i1 - i0)
             qs = _scaled_rows(q3, i0, i1, spec)  # [BH, R, D]
             dob = _rows(do3, i0, i1, acc_dtype)  # [BH, R, Dv]
             neg_delta = -(dob * _rows(o3, i0, i1, acc_dtype)).sum(-1)  # [BH, R], delta = rowsum(dO * O)
             neg_lse = -lse[:, :, i0:i1].reshape(bh, rows)
+            if dsink is not None:  # d sink = -sum_rows p_sink * delta, p_sink = exp(sink - lse)
+                p_sink = (sink3 + neg_lse.view(bh, g, i1 - i0)).exp_()  # [BH, G, bq]
+                dsink.add_((p_sink * neg_delta.view(bh, g, i1 - i0)).sum(-1))
             dqb = torch.zeros((bh, rows, d), dtype=acc_dtype, device=q3.device)
             for blk in blocks:
                 shape = (bh, rows, blk.j1 - blk.j0)
@@ -405,8 +426,16 @@ class _BlockwiseAttention(torch.autograd.Function):
             dq[:, :, i0:i1] = dqb.view(bh, g, i1 - i0, d)
         dq.mul_(spec.scale)  # s = (scale * q) . k
         dtype = q3.dtype
+        dsinks = None if dsink is None else dsink.view(b, -1).sum(0).to(sinks.dtype)  # [Hq]
         return (dq.view(q_shape).to(dtype), dk.view(k_shape).to(dtype), dv.view(v_shape).to(dtype),
-                None, None, None, None)
+                None, None, None, dsinks, None)
+
+
+def _sink_rows(sinks: Tensor | None, b: int, hkv: int, g: int, dtype: torch.dtype) -> Tensor | None:
+    """sinks [Hq] -> [BH, G, 1] in dtype (query head h = kv head * G + group index), or None."""
+    if sinks is None:
+        return None
+    return sinks.detach().to(dtype).view(1, hkv, g).expand(b, hkv, g).reshape(b * hkv, g, 1)
 
 
 def _rows(x3: Tensor, i0: int, i1: int, dtype: torch.dtype) -> Tensor:
@@ -422,7 +451,11 @@ def _scaled_rows(q3: Tensor, i0: int, i1: int, spec: _Spec) -> Tensor:
 
 
 def _finish_rows(m: Tensor, l: Tensor, acc: Tensor) -> tuple[Tensor, Tensor]:
-    """Running stats -> (output rows [BH, R, Dv], logsumexp [BH, R]); empty rows give 0 and +inf."""
+    """Running stats -> (output rows [BH, R, Dv], logsumexp [BH, R]); empty rows give 0 and +inf.
+
+    With sinks l >= exp(sink - m) > 0, so no row is empty: a row with no visible key gives acc / 1 = 0
+    and lse = sink (finite); backward's hidden-score masking keeps its q/k/v gradients zero.
+    """
     empty = l == 0
     out = acc / l.masked_fill(empty, 1.0).unsqueeze(-1)
     # +inf makes backward's exp(s - lse) exactly 0 on empty rows, hence zero gradients there.

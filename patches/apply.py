@@ -186,8 +186,21 @@ def _chunked_mlp_forward(module, original, chunk: int):
         hidden = inputs[0]  # [B, N, H]
         if hidden.dim() < 3 or hidden.shape[1] <= chunk:
             return original(*inputs)
+        # An MLP that returns a tuple (gpt-oss: (hidden, router_scores)) is chunked on its first output. The
+        # rest are per-chunk routing details the decoder layer discards; they come back as None, so a caller
+        # that did read them fails loudly instead of getting one chunk's values.
+        extra = []
+
+        def first_output(*pieces):
+            y = original(*pieces)
+            if isinstance(y, tuple):
+                extra[:] = [None] * (len(y) - 1)
+                return y[0]
+            return y
+
         # Parameters are read at call time: LoRA layers added after patching are included.
-        return chunked_mlp(original, list(module.parameters()), *inputs, chunk=chunk)
+        out = chunked_mlp(first_output, list(module.parameters()), *inputs, chunk=chunk)
+        return (out, *extra) if extra else out
 
     return forward
 

@@ -28,8 +28,8 @@ def mask_inputs(attention_mask) -> BlockMaskInputs:
 
 
 def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, softcap=None,
-                  alibi_slopes=None, key_bias=None) -> torch.Tensor:
-    """query [B, Hq, Nq, D], key/value [B, Hkv, Nk, D] -> [B, Hq, Nq, D]; key_bias [B, Hq, Nk].
+                  alibi_slopes=None, key_bias=None, sinks=None) -> torch.Tensor:
+    """query [B, Hq, Nq, D], key/value [B, Hkv, Nk, D] -> [B, Hq, Nq, D]; key_bias [B, Hq, Nk]; sinks [Hq].
 
     Only the keys the mask says are in use take part: a static cache hands attention all of its
     `max_cache_len` slots, of which the first `mask.kv_length` are filled (see BlockMaskInputs).
@@ -49,6 +49,7 @@ def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, sca
         alibi_slopes=alibi_slopes,
         key_bias=key_bias,
         softcap=softcap,
+        sinks=sinks,
         dropout=dropout,
         q_block=options.q_block,
         kv_block=options.kv_block,
@@ -57,11 +58,13 @@ def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, sca
 
 
 def bpt_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                          **_kwargs):
+                          s_aux=None, **_kwargs):
     """AttentionInterface entry, same contract as transformers' sdpa_attention_forward.
 
     The window comes from the mask inputs (built by transformers per layer type), not the
-    `sliding_window` kwarg, so layers that transformers treats as full attention stay full.
+    `sliding_window` kwarg, so layers that transformers treats as full attention stay full. s_aux: the
+    attention sinks [Hq] (gpt-oss and others), one learned logit per head in every row's softmax normaliser.
     """
-    out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap)
+    out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
+                        sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None  # [B, Nq, Hq, D], no attention weights

@@ -98,6 +98,26 @@ FAMILIES: dict[str, Family] = {
     "granitemoe": Family(mlp="block_sparse_moe", logit_divisor="logits_scaling"),
     "granitemoeshared": Family(mlp="block_sparse_moe", logit_divisor="logits_scaling"),
     "hyperclovax": Family(logit_scale="logits_scaling"),  # multiplies, unlike Granite's same-named attribute
+    # Multi-head latent attention (DeepSeek-style MLA): low-rank q / kv projections expanded inside the attention module,
+    # which calls AttentionInterface with q/k head dim != v head dim (the kernel takes v [B, H, Nk, Dv]; SDPA's fast
+    # path needs equal dims, so these run blockwise). MoE blocks (routed + shared experts, group-limited top-k) route
+    # per token: chunking them is exact.
+    "deepseek_v2": LLAMA_LIKE,
+    "deepseek_v3": LLAMA_LIKE,
+    "glm4_moe_lite": LLAMA_LIKE,
+    "axk1": LLAMA_LIKE,
+    "youtu": LLAMA_LIKE,
+    "minicpm3": Family(logit_divisor="logits_scaling"),  # divides hidden by logits_scaling before a bias-free lm_head
+    # Gemma 3n text: AltUp / LAuReL / per-layer inputs live on the decoder layer around self_attn and mlp; the MLP's
+    # activation sparsity (Gaussian top-k) is per token, KV-shared layers get the stored keys through AttentionInterface.
+    "gemma3n_text": Family(logit_softcap="final_logit_softcapping"),
+    # Attention sinks: a learned per-head logit (`s_aux`) in every row's softmax normaliser, passed to the kernel.
+    # gpt-oss's MoE block returns (hidden, router_scores): chunked on its first output (see _chunked_mlp_forward).
+    "gpt_oss": LLAMA_LIKE,
+    "flint": LLAMA_LIKE,
+    "mimo_v2_flash": LLAMA_LIKE,  # sinks on sliding layers only; v head dim != q/k head dim
+    "granite_swa": Family(logit_divisor="logits_scaling"),  # sink applied as sigmoid(lse - sink): the same softmax
+    "granitemoe_swa": Family(mlp="block_sparse_moe", logit_divisor="logits_scaling"),
 }
 
 

@@ -14,6 +14,9 @@ _SLIDING_AND_FULL = dict(layer_types=["sliding_attention", "full_attention"], sl
 # Mixture of experts: 4 experts, top-2 (each family reads the names it knows; the rest are ignored).
 _MOE = dict(num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
             shared_expert_intermediate_size=24)
+# Multi-head latent attention ranks (DeepSeek-style) and group-limited MoE routing.
+_MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+_MLA_MOE = dict(_MOE, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
 
 # name -> (model_type, config overrides). Several variants may share a family.
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {
@@ -80,6 +83,33 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
                                               "attention_multiplier": 0.25}),
     "hyperclovax": ("hyperclovax", {**_COMMON, "head_dim": 8, "logits_scaling": 0.5, "embedding_multiplier": 2.0,
                                     "residual_multiplier": 0.5}),
+    # Multi-head latent attention (MLA): low-rank q / kv, q/k head dim 12 (8 no-rope + 4 rope) != v head dim 8, so the
+    # kernel gets v [B, H, N, 8] beside q, k [B, H, N, 12]. MoE rows: 4 routed experts top-2 in 2 groups, top-1 group
+    # (group-limited routing), one shared expert; layer 0 dense, layer 1 MoE.
+    **{name: (name, {**_COMMON, "num_key_value_heads": 4, **_MLA, **extra}) for name, extra in (
+        ("deepseek_v2", {**_MLA_MOE, "first_k_dense_replace": 1, "topk_method": "group_limited_greedy"}),
+        ("deepseek_v3", {**_MLA_MOE, "first_k_dense_replace": 1}),
+        ("glm4_moe_lite", {**_MLA_MOE, "mlp_layer_types": ["dense", "sparse"]}),
+        ("axk1", {**_MLA_MOE, "mlp_layer_types": ["dense", "sparse"]}),
+        ("minicpm3", {}),  # divides hidden states by hidden_size / dim_model_base (= 0.125) before lm_head
+        ("youtu", {}))},
+    # Gemma 3n text: AltUp (2 streams), LAuReL, per-layer inputs, activation sparsity (layer 0) in the MLP, KV sharing:
+    # 3 layers so that layer 2 reuses the KV of layer 1, the last full-attention layer before it. altup_correct_scale
+    # off: its scale is zero-initialised and would zero every per-layer-input gradient (the low-precision test
+    # divides by those gradients' norms); the patch does not touch that path.
+    "gemma3n_text": ("gemma3n_text", {
+        **_COMMON, "head_dim": 8, "num_hidden_layers": 3, "intermediate_size": [48, 48, 48], "sliding_window": 7,
+        "layer_types": ["sliding_attention", "full_attention", "full_attention"], "num_kv_shared_layers": 1,
+        "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "laurel_rank": 4, "altup_num_inputs": 2,
+        "altup_correct_scale": False, "activation_sparsity_pattern": [0.95, 0.0, 0.0], "final_logit_softcapping": 3.0}),
+    # Attention sinks (s_aux). Top-4 of 4 experts: with top-2, bf16 noise flips routing decisions of stock and
+    # patched differently (low-precision test 1.70x on seeds 0-7, 1.09x on seeds 8-15); top-4 measures precision.
+    "gpt_oss": ("gpt_oss", {**_COMMON, "head_dim": 8, **_MOE, "num_experts_per_tok": 4, **_SLIDING_AND_FULL}),
+    "flint": ("flint", {**_COMMON, "head_dim": 8, **_MOE, **_SLIDING_AND_FULL}),
+    "mimo_v2_flash": ("mimo_v2_flash", {**_COMMON, "head_dim": 8, "v_head_dim": 4, **_MOE, **_SLIDING_AND_FULL}),
+    **{name: (name, {**_COMMON, "head_dim": 8, **_SLIDING_AND_FULL, "logits_scaling": 4.0, "embedding_multiplier": 2.0,
+                     "residual_multiplier": 0.5, "attention_multiplier": 0.25, **extra})
+       for name, extra in (("granite_swa", {}), ("granitemoe_swa", {**_MOE, "shared_intermediate_size": 24}))},
 }
 
 
