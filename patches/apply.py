@@ -195,7 +195,11 @@ def _chunked_mlp_forward(module, original, chunk: int):
             y = original(*pieces)
             if isinstance(y, tuple):
                 extra[:] = [None] * (len(y) - 1)
-                return y[0]
+                y = y[0]
+            piece = pieces[0]  # [B, n, H]
+            if isinstance(y, torch.Tensor) and y.dim() == 2 and y.shape[0] == piece.shape[0] * piece.shape[1]:
+                # Token-flattened output [B * n, H] (Llama 4's MoE; its decoder layer views it back).
+                y = y.view(piece.shape[0], piece.shape[1], -1)
             return y
 
         # Parameters are read at call time: LoRA layers added after patching are included.

@@ -118,6 +118,11 @@ FAMILIES: dict[str, Family] = {
     "mimo_v2_flash": LLAMA_LIKE,  # sinks on sliding layers only; v head dim != q/k head dim
     "granite_swa": Family(logit_divisor="logits_scaling"),  # sink applied as sigmoid(lse - sink): the same softmax
     "granitemoe_swa": Family(mlp="block_sparse_moe", logit_divisor="logits_scaling"),
+    # Llama 4 text: chunked attention on RoPE layers (`attention_chunk_size`: a query sees the keys of its own chunk,
+    # which bpt_mask turns into per-(document, chunk) segment ids, never a window); NoPE full-attention layers scale
+    # their queries (attn_temperature_tuning) before AttentionInterface. MLP / MoE at layer.feed_forward; the MoE
+    # returns (token-flattened hidden [B * N, H], router_logits): chunked on the first, viewed back to [B, n, H].
+    "llama4_text": Family(mlp="feed_forward"),
 }
 
 

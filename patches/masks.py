@@ -22,7 +22,8 @@ class BlockMaskInputs:
     max_cache_len slots, of which those past the queries are not filled yet (attention drops them,
     `keys_in_use`).
     padding_mask: [B, kv_length] bool, True = real key token (None = no padding).
-    segment_ids: [B, kv_length] int, packed documents (None = one document per row).
+    segment_ids: [B, kv_length] int, packed documents (None = one document per row); for a chunked-attention
+    layer (Llama 4's `attention_chunk_size`) one id per (document, chunk), so causal + same id is the chunked mask.
     sliding_window: key j visible from query position p iff p - j < sliding_window (None = full).
     """
 
@@ -69,6 +70,7 @@ def bpt_mask(
     local_size: int | None = None,
     use_vmap: bool = False,
     device=None,
+    config=None,
     **_unused,
 ) -> BlockMaskInputs:
     """AttentionMaskInterface entry: same arguments as transformers' `sdpa_mask`, O(N) result."""
@@ -95,22 +97,55 @@ def bpt_mask(
         if bool(padding_mask.all()):
             padding_mask = None
     segment_ids = None
+    if _is_chunked(mask_function):
+        # transformers passes the chunk size as `local_size`, as it does a sliding window: it is not a window.
+        # Chunks are contiguous runs of keys (by index less left padding, or by position id within a packed
+        # document), so they are segments, read off the mask function like packed documents.
+        if kv_used > 1:
+            segment_ids = _segments_from_mask_function(mask_function, batch_size, kv_used, device, kv_offset)
+        return BlockMaskInputs(padding_mask, segment_ids, None, q_length, kv_used)
+    chunk_size = getattr(config, "attention_chunk_size", None)
+    if local_size is not None and chunk_size == local_size and getattr(config, "sliding_window", None) != local_size:
+        raise NotImplementedError(
+            f"a mask with local_size={local_size} = attention_chunk_size whose mask function was not recognised as "
+            "chunked: it would be read as a sliding window; use this model without apply_bpt_patch"
+        )
     if attention_mask is None and q_offset == 0 and kv_offset == 0 and q_length == kv_used > 1:
         segment_ids = _segments_from_mask_function(mask_function, batch_size, q_length, device)
     return BlockMaskInputs(padding_mask, segment_ids, local_size, q_length, kv_used)
 
 
-def _segments_from_mask_function(mask_function, batch_size, length, device) -> torch.Tensor | None:
+def _is_chunked(mask_function, depth: int = 8) -> bool:
+    """Whether transformers' mask function (and_masks / or_masks / packing wrappers of closures) contains
+    `chunked_overlay`, the same-chunk condition of chunked attention (create_chunked_causal_mask)."""
+    if mask_function is None or depth < 0:
+        return False
+    if getattr(mask_function, "__qualname__", "").startswith("chunked_overlay."):
+        return True
+    for cell in getattr(mask_function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(callable(v) and _is_chunked(v, depth - 1) for v in values):
+            return True
+    return False
+
+
+def _segments_from_mask_function(mask_function, batch_size, length, device, offset: int = 0) -> torch.Tensor | None:
     """Packed-document ids, read off transformers' own mask function along the sub-diagonal.
 
     transformers folds packing (position ids that restart) into `mask_function` without handing
     us the position ids. A causal (or sliding-window) mask always lets token i see token i-1
     unless i starts a new document, so probing (i, i-1) for every i recovers the boundaries in O(N).
+    The same holds for chunked attention (causal and same chunk): a chunk start is a boundary too.
+    offset: absolute index of key 0 (a cache's kv_offset), as the mask function takes absolute indices.
     """
     if mask_function is None:
         return None
     batch = torch.arange(batch_size, device=device)[:, None]  # [B, 1]
-    q_idx = torch.arange(1, length, device=device)[None, :]  # [1, N-1]
+    q_idx = torch.arange(offset + 1, offset + length, device=device)[None, :]  # [1, N-1]
     head = torch.zeros((), dtype=torch.long, device=device)
     sees_previous = torch.as_tensor(mask_function(batch, head, q_idx, q_idx - 1), device=device)
     sees_previous = sees_previous.expand(batch_size, length - 1)  # [B, N-1]

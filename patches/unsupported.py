@@ -186,14 +186,7 @@ UNSUPPORTED: dict[str, str] = {
         "feature not yet reproduced: hybrid attention + SSM / linear attention: short-conv layers "
         "(layer.conv) + attention"
     ),
-    "llama4": (
-        "feature not yet reproduced: chunked attention: attention_chunk_size layers (masks would be read as "
-        "sliding windows); llama4 is the multimodal wrapper"
-    ),
-    "llama4_text": (
-        "feature not yet reproduced: chunked attention: attention_chunk_size layers (masks would be read as "
-        "sliding windows)"
-    ),
+    "llama4": "multimodal-only: Llama4ForConditionalGeneration (vision tower); text-only is llama4_text (added)",
     "longcat_flash": (
         "feature not yet reproduced: module layout the row cannot name: two attention + MLP sub-blocks per layer "
         "(layer.self_attn and layer.mlps are ModuleLists of 2, layer.mlp is the shortcut MoE): the row would set "

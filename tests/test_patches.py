@@ -131,6 +131,63 @@ def test_mask_is_o_n():
     assert packed.segment_ids.tolist()[0] == [0] * 17 + [1] * 20 + [2] * 8
 
 
+def _dense_from_inputs(mask: BlockMaskInputs, batch: int) -> torch.Tensor:
+    """[B, q_length, kv_length] bool: the mask BlockMaskInputs stand for (causal; queries are the last keys)."""
+    nq, nk = mask.q_length, mask.kv_length
+    q_pos = torch.arange(nk - nq, nk)[:, None]  # [Nq, 1] key index of each query
+    k_pos = torch.arange(nk)[None, :]  # [1, Nk]
+    dense = (k_pos <= q_pos).expand(batch, nq, nk).clone()
+    if mask.sliding_window is not None:
+        dense &= q_pos - k_pos < mask.sliding_window
+    if mask.segment_ids is not None:
+        seg = mask.segment_ids.expand(batch, nk)
+        dense &= seg[:, None, :] == seg[:, nk - nq:, None]
+    if mask.padding_mask is not None:
+        dense &= mask.padding_mask[:, None, :]
+    return dense
+
+
+@pytest.mark.parametrize("case", ["plain", "left_padded", "right_padded", "packed", "cache_offset"])
+def test_chunked_mask_is_not_a_window(case):
+    """Llama 4's chunked attention (attention_chunk_size C: causal and same chunk) is handed to the mask interface
+    with local_size=C, like a sliding window; bpt_mask must build the chunked mask (segment ids per chunk), not a
+    window of C. Compared with transformers' own dense mask for the same arguments."""
+    from transformers.masking_utils import (chunked_causal_mask_function, packed_sequence_compatibility_function,
+                                            sdpa_mask)
+
+    from patches.masks import bpt_mask
+
+    chunk, batch, length = 8, 2, 45
+    attention_mask, q_length, q_offset = None, length, 0
+    left_padding = torch.zeros(batch, dtype=torch.long)
+    if case == "left_padded":
+        attention_mask = torch.ones(batch, length, dtype=torch.long)
+        attention_mask[0, :5] = 0
+        left_padding = (attention_mask.cumsum(-1) == 0).sum(-1)
+    elif case == "right_padded":
+        attention_mask = torch.ones(batch, length, dtype=torch.long)
+        attention_mask[0, -9:] = 0
+    mask_function = chunked_causal_mask_function(chunk, left_padding)
+    if case == "packed":
+        position_ids = make_batch("packed", batch=batch)["position_ids"]
+        starts = torch.nn.functional.pad(position_ids[:, 1:] != position_ids[:, :-1] + 1, (1, 0))
+        mask_function = packed_sequence_compatibility_function(mask_function, position_ids, starts.cumsum(-1))
+    elif case == "cache_offset":  # 13 new queries after 32 cached keys
+        q_length, q_offset = 13, 32
+    args = dict(batch_size=batch, q_length=q_length, kv_length=length, q_offset=q_offset, kv_offset=0,
+                mask_function=mask_function, attention_mask=attention_mask, local_size=chunk)
+    ours = bpt_mask(**args)
+    assert ours.sliding_window is None and ours.segment_ids is not None
+    expected = sdpa_mask(**args, allow_is_causal_skip=False)[:, 0]  # [B, Nq, Nk]
+    got = _dense_from_inputs(ours, batch)
+    real_queries = torch.ones(batch, q_length, dtype=torch.bool) if attention_mask is None else \
+        attention_mask[:, length - q_length:].bool()
+    assert torch.equal(got[real_queries], expected[real_queries])
+    # The same arguments read as a sliding window of C would differ (the test can tell them apart).
+    windowed = _dense_from_inputs(BlockMaskInputs(ours.padding_mask, None, chunk, q_length, length), batch)
+    assert not torch.equal(windowed[real_queries], expected[real_queries])
+
+
 @pytest.mark.parametrize("name", ["llama", "bloom", "falcon_alibi"])
 def test_remove_restores_bit_identical_outputs(name):
     model = tiny_model(name).eval()

@@ -13,3 +13,11 @@ def test_readme_lists_exactly_the_supported_families():
     names = [name.strip() for name in listed.replace("\n", " ").split(",")]
     assert names == sorted(FAMILIES)
     assert f"(`config.model_type`, {len(FAMILIES)};" in text
+
+
+def test_readme_support_table_is_the_generated_one():
+    """The per-feature table between `<!-- support-table -->` markers is `python -m patches.support_table`'s output
+    (regenerate with `--write`)."""
+    from patches.support_table import readme_block, support_table
+
+    assert readme_block(README.read_text()) == support_table()

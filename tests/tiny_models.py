@@ -110,6 +110,12 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     **{name: (name, {**_COMMON, "head_dim": 8, **_SLIDING_AND_FULL, "logits_scaling": 4.0, "embedding_multiplier": 2.0,
                      "residual_multiplier": 0.5, "attention_multiplier": 0.25, **extra})
        for name, extra in (("granite_swa", {}), ("granitemoe_swa", {**_MOE, "shared_intermediate_size": 24}))},
+    # Llama 4 text: layer 0 chunked attention with RoPE (chunks of 8: several in a 45-token sequence), layer 1 NoPE
+    # full attention with temperature tuning (floor_scale 4 so the query scale varies within the sequence); layer 1 MoE
+    # (routed top-4 of 4 + shared expert: top-2 lets bf16 noise flip routing, as for gpt_oss), layer 0 dense.
+    "llama4_text": ("llama4_text", {**_COMMON, "head_dim": 8, **_MOE, "num_experts_per_tok": 4,
+                                    "intermediate_size_mlp": 48, "attention_chunk_size": 8, "no_rope_layers": [1, 0],
+                                    "moe_layers": [1], "floor_scale": 4, "attn_scale": 0.1}),
 }
 
 
