@@ -17,6 +17,22 @@ def blockwise_only(monkeypatch):
     monkeypatch.setattr(attention, "_sdpa_handles", lambda *args: False)
 
 
+def reference_visibility(b, nq, nk, causal, sliding_window, padding_mask, segment_ids):
+    """-> (visible [B, 1, Nq, Nk] bool, rel [Nq, Nk] = key position - query position); queries are the last keys."""
+    pos_q = torch.arange(nq) + nk - nq
+    rel = torch.arange(nk)[None, :] - pos_q[:, None]
+    visible = torch.ones(b, 1, nq, nk, dtype=torch.bool)
+    if causal:
+        visible = visible & (rel <= 0)
+    if sliding_window is not None:
+        visible = visible & (-rel < sliding_window)
+    if padding_mask is not None:
+        visible = visible & padding_mask.bool()[:, None, None, :]
+    if segment_ids is not None:
+        visible = visible & (segment_ids[:, pos_q][:, None, :, None] == segment_ids[:, None, None, :])
+    return visible, rel
+
+
 def reference(q, k, v, *, scale=None, causal=True, padding_mask=None, segment_ids=None,
               sliding_window=None, alibi_slopes=None, softcap=None):
     """Full-matrix float64 attention; rows with no visible key give 0. -> (out, visible rows [B, Hq, Nq])."""
@@ -29,19 +45,9 @@ def reference(q, k, v, *, scale=None, causal=True, padding_mask=None, segment_id
     s = scale * q @ k.transpose(-1, -2)  # [B, Hq, Nq, Nk]
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    pos_q = torch.arange(nq) + nk - nq
-    rel = torch.arange(nk)[None, :] - pos_q[:, None]  # [Nq, Nk] key position - query position
+    visible, rel = reference_visibility(b, nq, nk, causal, sliding_window, padding_mask, segment_ids)
     if alibi_slopes is not None:
         s = s + alibi_slopes.double()[None, :, None, None] * rel
-    visible = torch.ones(b, 1, nq, nk, dtype=torch.bool)
-    if causal:
-        visible = visible & (rel <= 0)
-    if sliding_window is not None:
-        visible = visible & (-rel < sliding_window)
-    if padding_mask is not None:
-        visible = visible & padding_mask.bool()[:, None, None, :]
-    if segment_ids is not None:
-        visible = visible & (segment_ids[:, pos_q][:, None, :, None] == segment_ids[:, None, None, :])
     p = torch.softmax(s.masked_fill(~visible, -1e300), dim=-1)
     rows = visible.any(-1)  # [B, 1, Nq]
     p = p * rows[..., None]

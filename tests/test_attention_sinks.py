@@ -6,7 +6,7 @@ import torch
 
 from bpt import attention
 from bpt.attention import blockwise_attention, segment_ids_from_position_ids
-from tests.test_attention import assert_close, lengths_mask, make_qkv, packed_position_ids
+from test_attention import assert_close, lengths_mask, make_qkv, packed_position_ids, reference_visibility
 
 TOL = 1e-5
 
@@ -25,17 +25,7 @@ def reference(q, k, v, sinks, *, scale=None, causal=True, padding_mask=None, seg
     groups = hq // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     s = (d ** -0.5 if scale is None else scale) * q @ k.transpose(-1, -2)  # [B, Hq, Nq, Nk]
-    pos_q = torch.arange(nq) + nk - nq
-    rel = torch.arange(nk)[None, :] - pos_q[:, None]
-    visible = torch.ones(b, 1, nq, nk, dtype=torch.bool)
-    if causal:
-        visible = visible & (rel <= 0)
-    if sliding_window is not None:
-        visible = visible & (-rel < sliding_window)
-    if padding_mask is not None:
-        visible = visible & padding_mask.bool()[:, None, None, :]
-    if segment_ids is not None:
-        visible = visible & (segment_ids[:, pos_q][:, None, :, None] == segment_ids[:, None, None, :])
+    visible, _ = reference_visibility(b, nq, nk, causal, sliding_window, padding_mask, segment_ids)
     s = s.masked_fill(~visible, float("-inf"))
     sink = sinks[None, :, None, None].expand(b, hq, nq, 1)
     p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]  # [B, Hq, Nq, Nk]
