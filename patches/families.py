@@ -123,6 +123,10 @@ FAMILIES: dict[str, Family] = {
     # their queries (attn_temperature_tuning) before AttentionInterface. MLP / MoE at layer.feed_forward; the MoE
     # returns (token-flattened hidden [B * N, H], router_logits): chunked on the first, viewed back to [B, n, H].
     "llama4_text": Family(mlp="feed_forward"),
+    # Llama-shaped rows added once the low-precision test routed MoE configs to every expert.
+    **dict.fromkeys(("aria_text", "cwm", "ernie4_5_moe", "flex_olmo", "kolibri1", "minimax_m2", "qwen2_moe",
+                     "qwen3_moe", "solar_open"), LLAMA_LIKE),
+    "cohere2_moe": Family(logit_scale="logit_scale"),
 }
 
 

@@ -12,11 +12,6 @@ UNSUPPORTED: dict[str, str] = {
         "(loss 1.57x (right_padded, bf16 weights)): decide whether that is noise (MoE routing flips under "
         "bf16) or a gap"
     ),
-    "aria_text": (
-        "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
-        "(MoE router grad 3.1x (right_padded, bf16 weights)): decide whether that is noise (MoE routing flips "
-        "under bf16) or a gap"
-    ),
     "axk2": (
         "feature not yet reproduced: sparse attention (DSA lightning indexer): every layer is indexed_attention; "
         "the attention module indexes the 4-D mask (attention_mask[:, 0]) for its indexer and masks all but the "
@@ -43,12 +38,6 @@ UNSUPPORTED: dict[str, str] = {
         "feature not yet reproduced: custom attention outside AttentionInterface: own _attn adds a 4-D mask "
         "tensor"
     ),
-    "cohere2_moe": (
-        "pending low-precision check: exact in fp32 with logit scaling (Family(logit_scale=...)); low-precision "
-        "test over its limit (experts.down_proj grad 1.78x (right_padded, autocast), top-2 of 4 experts), ratio "
-        "1.00 with every expert active (top-4 of 4): likely noise (MoE routing flips under bf16); decide, then "
-        "restore its row and tiny config"
-    ),
     "cpmant": (
         "feature not yet reproduced: custom attention outside AttentionInterface: own attention with segment "
         "/ relative position bias"
@@ -56,11 +45,6 @@ UNSUPPORTED: dict[str, str] = {
     "ctrl": (
         "feature not yet reproduced: custom attention outside AttentionInterface: own MultiHeadAttention with "
         "a 4-D mask; ffn is an nn.Sequential"
-    ),
-    "cwm": (
-        "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
-        "(loss 1.56x (right_padded, autocast)): decide whether that is noise (MoE routing flips under bf16) "
-        "or a gap"
     ),
     "data2vec-text": "encoder: bidirectional encoder with an LM head (is_decoder flag)",
     "dbrx": (
@@ -95,22 +79,12 @@ UNSUPPORTED: dict[str, str] = {
     "electra": "encoder: bidirectional encoder with an LM head (is_decoder flag)",
     "emu3": "multimodal-only: image-token VQ model (tiny build > 90 s)",
     "ernie": "encoder: bidirectional encoder with an LM head (is_decoder flag)",
-    "ernie4_5_moe": (
-        "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
-        "(experts.down_proj grad 1.55x (right_padded, autocast)): decide whether that is noise (MoE routing "
-        "flips under bf16) or a gap"
-    ),
     "falcon_h1": (
         "feature not yet reproduced: hybrid attention + SSM / linear attention: Mamba-2 in parallel with "
         "attention in every layer; passed plain/padded/packed as-is (row Family(mlp='feed_forward')) but left "
         "for the hybrid step (and its tiny model takes ~40 s on CPU: reference Mamba scan)"
     ),
     "falcon_mamba": "state-space or recurrent: Mamba layers, no softmax attention to compute blockwise",
-    "flex_olmo": (
-        "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
-        "(loss 2.14x (right_padded, bf16 weights)): decide whether that is noise (MoE routing flips under "
-        "bf16) or a gap"
-    ),
     "fuyu": "multimodal-only: image-patch decoder (FuyuConfig wraps a text config)",
     "gemma3": "multimodal-only: Gemma3ForConditionalGeneration (vision tower); text-only is gemma3_text (added)",
     "gemma3n": "multimodal-only: audio + vision towers (needs timm)",
@@ -170,11 +144,6 @@ UNSUPPORTED: dict[str, str] = {
     "kimi_linear": (
         "feature not yet reproduced: hybrid attention + SSM / linear attention: Kimi Delta Attention + MLA"
     ),
-    "kolibri1": (
-        "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
-        "(router gate / loss 1.6-2.1x (right_padded bf16, packed both modes)): decide whether that is noise "
-        "(MoE routing flips under bf16) or a gap"
-    ),
     "lfm2": (
         "feature not yet reproduced: hybrid attention + SSM / linear attention: short-conv layers without "
         "self_attn (tiny 2-layer config only had attention layers and passed; real checkpoints would raise)"
@@ -200,18 +169,14 @@ UNSUPPORTED: dict[str, str] = {
     "megatron-bert": "encoder: bidirectional encoder with an LM head (is_decoder flag)",
     "mellum": (
         "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
-        "(experts / router grads 1.6-2.1x (packed, both modes)): decide whether that is noise (MoE routing "
-        "flips under bf16) or a gap"
+        "(experts / router grads 1.6-2.1x (packed, both modes) with top-2 routing; with every expert routed, as "
+        "the test now runs MoE configs, loss 1.53x (right_padded, autocast), the rest passing): decide whether "
+        "that is noise or a gap"
     ),
     "minimax": (
         "feature not yet reproduced: hybrid attention + SSM / linear attention: lightning (linear) attention "
         "+ softmax attention layers; passed as a LLAMA_LIKE row as-is (both layer kinds have self_attn, only "
         "the softmax layers call AttentionInterface) but left for the hybrid step"
-    ),
-    "minimax_m2": (
-        "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
-        "(router gate grad 3.6x (right_padded, bf16 weights)): decide whether that is noise (MoE routing "
-        "flips under bf16) or a gap"
     ),
     "minimax_m3_vl_text": (
         "feature not yet reproduced: sparse block attention (lightning indexer, block_indices): sparse layers "
@@ -264,11 +229,6 @@ UNSUPPORTED: dict[str, str] = {
     ),
     "plbart": "encoder-decoder: decoder half of an encoder-decoder (cross-attention)",
     "prophetnet": "encoder-decoder: decoder half of an encoder-decoder (cross-attention)",
-    "qwen2_moe": (
-        "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
-        "(router / experts grads 2-6x (right_padded and packed, both modes)): decide whether that is noise "
-        "(MoE routing flips under bf16) or a gap"
-    ),
     "qwen3_5": (
         "feature not yet reproduced: hybrid attention + SSM / linear attention: Gated DeltaNet + attention "
         "(multimodal wrapper too)"
@@ -282,11 +242,6 @@ UNSUPPORTED: dict[str, str] = {
     ),
     "qwen3_5_text": (
         "feature not yet reproduced: hybrid attention + SSM / linear attention: Gated DeltaNet + attention"
-    ),
-    "qwen3_moe": (
-        "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
-        "(post_attention_layernorm grad 1.7-1.8x (right_padded, both modes)): decide whether that is noise "
-        "(MoE routing flips under bf16) or a gap"
     ),
     "qwen3_next": (
         "feature not yet reproduced: hybrid attention + SSM / linear attention: Gated DeltaNet linear "
@@ -308,11 +263,6 @@ UNSUPPORTED: dict[str, str] = {
     "roc_bert": "encoder: bidirectional encoder with an LM head (is_decoder flag)",
     "roformer": "encoder: bidirectional encoder with an LM head (is_decoder flag)",
     "rwkv": "state-space or recurrent: RWKV layers, no softmax attention to compute blockwise",
-    "solar_open": (
-        "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
-        "(router gate grad 7.3x (right_padded, bf16 weights)): decide whether that is noise (MoE routing "
-        "flips under bf16) or a gap"
-    ),
     "starcoder2": (
         "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
         "(loss 1.84x (right_padded, bf16 weights)): decide whether that is noise (MoE routing flips under "

@@ -4,6 +4,13 @@ The rule (DESIGN.md, precision): patched and stock are each compared with an fp3
 error must be no worse than about 1.5x stock's own error, on the loss and on every gradient. Errors of one
 batch are noise-dominated (stock sometimes lands within 1e-7 by luck), so each error is the RMS over several
 batches: the loss's relative error, and per parameter the Frobenius error relative to the reference's norm.
+
+What it measures is the numerics of every op, with MoE routing made continuous: a config with top-k expert routing
+runs here with top-k = the number of experts (and, for group-limited routing, topk_group = n_group), see
+`all_experts_routing`. Top-k selection is a discontinuity: bf16 noise flips a near-tied choice in stock or patched
+(whichever side flips gets a large expert / router gradient error), which says nothing about either side's precision.
+The fp32 exactness tests (test_patches.py) keep the tiny configs' top-2 routing: that is where exactness of routing
+itself is checked.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ from bpt import compile as bpt_compile
 from bpt.attention import blockwise_attention
 from patches import apply_bpt_patch
 from test_patches import SMALL_BLOCKS, loss_and_grads, make_batch
-from tiny_models import TINY_CONFIGS, tiny_model
+from tiny_models import TINY_CONFIGS, tiny_config, tiny_model
 
 WORSE_AT_MOST = 1.5
 SEEDS = range(8)
@@ -33,9 +40,31 @@ def _run(model, inputs, mode: str, device: str):
         return loss_and_grads(model, inputs)
 
 
+# Config attributes for the number of routed experts and for how many of them each token picks (each family
+# names them its own way); group-limited routing (n_group groups, the top topk_group of them) on top.
+EXPERT_COUNT_ATTRIBUTES = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_ATTRIBUTES = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts")
+
+
+def all_experts_routing(config) -> dict:
+    """Config overrides that route every token to every expert (top-k = number of experts; every group kept):
+    {} for a config without top-k routing."""
+    top_k = [name for name in TOP_K_ATTRIBUTES if isinstance(getattr(config, name, None), int)]
+    counts = {getattr(config, name) for name in EXPERT_COUNT_ATTRIBUTES if isinstance(getattr(config, name, None), int)}
+    if not top_k or not counts:
+        return {}
+    assert len(counts) == 1, f"{config.model_type}: expert counts disagree ({counts}): set them all in its tiny config"
+    overrides = dict.fromkeys(top_k, counts.pop())
+    if isinstance(getattr(config, "n_group", None), int) and isinstance(getattr(config, "topk_group", None), int):
+        overrides["topk_group"] = config.n_group
+    return overrides
+
+
 def low_precision_errors(name: str, kind: str, mode: str, checkpointing: str | None = None, device: str = "cpu",
                          seeds=SEEDS, **overrides):
-    """-> {"loss": (patched, stock), parameter name: (patched, stock)} RMS errors against fp32."""
+    """-> {"loss": (patched, stock), parameter name: (patched, stock)} RMS errors against fp32, with MoE routing to
+    every expert (module docstring)."""
+    overrides = {**all_experts_routing(tiny_config(name, **overrides)), **overrides}
     reference = tiny_model(name, **overrides).to(device)
     stock, patched = copy.deepcopy(reference), copy.deepcopy(reference)
     apply_bpt_patch(patched, **SMALL_BLOCKS)

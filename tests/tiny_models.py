@@ -102,9 +102,8 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         "layer_types": ["sliding_attention", "full_attention", "full_attention"], "num_kv_shared_layers": 1,
         "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "laurel_rank": 4, "altup_num_inputs": 2,
         "altup_correct_scale": False, "activation_sparsity_pattern": [0.95, 0.0, 0.0], "final_logit_softcapping": 3.0}),
-    # Attention sinks (s_aux). Top-4 of 4 experts: with top-2, bf16 noise flips routing decisions of stock and
-    # patched differently (low-precision test 1.70x on seeds 0-7, 1.09x on seeds 8-15); top-4 measures precision.
-    "gpt_oss": ("gpt_oss", {**_COMMON, "head_dim": 8, **_MOE, "num_experts_per_tok": 4, **_SLIDING_AND_FULL}),
+    # Attention sinks (s_aux).
+    "gpt_oss": ("gpt_oss", {**_COMMON, "head_dim": 8, **_MOE, **_SLIDING_AND_FULL}),
     "flint": ("flint", {**_COMMON, "head_dim": 8, **_MOE, **_SLIDING_AND_FULL}),
     "mimo_v2_flash": ("mimo_v2_flash", {**_COMMON, "head_dim": 8, "v_head_dim": 4, **_MOE, **_SLIDING_AND_FULL}),
     **{name: (name, {**_COMMON, "head_dim": 8, **_SLIDING_AND_FULL, "logits_scaling": 4.0, "embedding_multiplier": 2.0,
@@ -112,10 +111,21 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
        for name, extra in (("granite_swa", {}), ("granitemoe_swa", {**_MOE, "shared_intermediate_size": 24}))},
     # Llama 4 text: layer 0 chunked attention with RoPE (chunks of 8: several in a 45-token sequence), layer 1 NoPE
     # full attention with temperature tuning (floor_scale 4 so the query scale varies within the sequence); layer 1 MoE
-    # (routed top-4 of 4 + shared expert: top-2 lets bf16 noise flip routing, as for gpt_oss), layer 0 dense.
-    "llama4_text": ("llama4_text", {**_COMMON, "head_dim": 8, **_MOE, "num_experts_per_tok": 4,
-                                    "intermediate_size_mlp": 48, "attention_chunk_size": 8, "no_rope_layers": [1, 0],
-                                    "moe_layers": [1], "floor_scale": 4, "attn_scale": 0.1}),
+    # (routed top-2 of 4 + shared expert), layer 0 dense.
+    "llama4_text": ("llama4_text", {**_COMMON, "head_dim": 8, **_MOE, "intermediate_size_mlp": 48,
+                                    "attention_chunk_size": 8, "no_rope_layers": [1, 0], "moe_layers": [1],
+                                    "floor_scale": 4, "attn_scale": 0.1}),
+    # Added after the low-precision test routed MoE configs to every expert (test_mixed_precision.py).
+    "cwm": ("cwm", {**_COMMON, "head_dim": 8, "sliding_window": 7}),  # one full and one sliding layer by default
+    **{name: (name, {**_COMMON, "head_dim": 8, **_MOE}) for name in (
+        "flex_olmo", "kolibri1", "minimax_m2", "qwen2_moe", "qwen3_moe")},
+    "solar_open": ("solar_open", {**_COMMON, "head_dim": 8, **_MOE, "n_shared_experts": 1, "n_group": 1,
+                                  "topk_group": 1}),
+    "aria_text": ("aria_text", {**_COMMON, "head_dim": 8, "moe_num_experts": 4, "moe_topk": 2,
+                                "moe_num_shared_experts": 1}),
+    "ernie4_5_moe": ("ernie4_5_moe", {**_COMMON, "head_dim": 8, **_MOE, "moe_num_experts": 4, "moe_k": 2,
+                                      "moe_num_shared_experts": 1}),
+    "cohere2_moe": ("cohere2_moe", {**_COMMON, "head_dim": 8, **_MOE, **_SLIDING_AND_FULL, "logit_scale": 0.5}),
 }
 
 
