@@ -294,10 +294,11 @@ def _warn(message: str) -> None:
 def truncation_note(tokenized: datasets.Dataset, max_seq_len: int) -> str | None:
     """What --no_packing's truncation drops, in one line (None when every document fits)."""
     lengths = pc.list_value_length(tokenized.with_format("arrow")["input_ids"])
-    n_long = pc.sum(pc.greater(lengths, max_seq_len)).as_py() or 0
+    too_long = pc.greater(lengths, max_seq_len)
+    n_long = pc.sum(too_long).as_py() or 0
     if not n_long:
         return None
-    lost = pc.sum(pc.subtract(lengths, max_seq_len).filter(pc.greater(lengths, max_seq_len))).as_py()
+    lost = pc.sum(pc.subtract(lengths, max_seq_len).filter(too_long)).as_py()
     return (f"--no_packing truncated {n_long} of {len(tokenized)} documents to --max_seq_len {max_seq_len} tokens "
             f"(longest {pc.max(lengths).as_py()}; {lost} tokens dropped, never trained on); to keep them, pack "
             "(drop --no_packing) or raise --max_seq_len")

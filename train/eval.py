@@ -244,7 +244,9 @@ def _same_model(a: str, b: str | None) -> bool:
 
 def _warn_contradictions(run, base: str, config, bits: int) -> None:
     """One warning line per flag that changes the model the run trained (run.config: the run's RoPE)."""
-    source = Path(run.adapter_dir) / "run_info.json"
+    from train.model import RUN_INFO_FILE
+
+    source = Path(run.adapter_dir) / RUN_INFO_FILE
     lines = []
     if not _same_model(base, run.trained_base):
         lines.append(f"--model_name_or_path {base} replaces the base the run was trained on ({run.trained_base})")

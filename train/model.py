@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from train.errors import UserError
+from train.qlora import RUN_INFO_FILE  # what a run writes last into its --output_dir
 
 ROPE_EXTRA = {  # keys each scaling type needs besides rope_type, factor and rope_theta
     "linear": {},
@@ -269,7 +270,6 @@ def merge_adapter(args, config, adapter_dir: str, merged_dir: str, tokenizer) ->
     tokenizer.save_pretrained(merged_dir)
 
 
-RUN_INFO_FILE = "run_info.json"  # what train.qlora writes last into --output_dir (train/qlora.py RUN_INFO_FILE)
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's
 
 
