@@ -169,13 +169,21 @@ def _patch_atomically(hf_model, family: Family, handle: BPTPatchHandle):
 def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     config = handle.options
     base = getattr(hf_model, family.base)
+    patched_attention = 0
     for layer in getattr(base, family.layers):
-        attention = getattr(layer, family.attention)
-        handle.set(attention, CONFIG_ATTR, config)
-        if family.bound_attention:
-            handle.set(attention, "forward", BINDERS[family.bound_attention](attention))
+        # A hybrid row's recurrent layers have no attention module (absent or None): left stock (Family.hybrid).
+        # Any other row raises AttributeError below, as a wrong attribute name should.
+        if not (family.hybrid and getattr(layer, family.attention, None) is None):
+            attention = getattr(layer, family.attention)
+            handle.set(attention, CONFIG_ATTR, config)
+            if family.bound_attention:
+                handle.set(attention, "forward", BINDERS[family.bound_attention](attention))
+            patched_attention += 1
         mlp = getattr(layer, family.mlp)
         handle.set(mlp, "forward", _chunked_mlp_forward(mlp, mlp.forward, config.mlp_chunk))
+    if patched_attention == 0:  # a hybrid row whose attention attribute is wrong would otherwise patch nothing
+        raise UnsupportedModelError(f"no decoder layer of this {hf_model.config.model_type!r} model has attention at "
+                                    f"layer.{family.attention}: nothing to patch (is its row in FAMILIES right?)")
     handle.set(hf_model.config, "_attn_implementation", ATTN_IMPLEMENTATION)
     handle.set(hf_model, "forward", causal_lm_forward(hf_model, hf_model.forward, family, config))
     handle.set(hf_model, _HANDLE_ATTR, handle)  # last: is_patched is True only for a complete patch

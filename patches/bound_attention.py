@@ -1,5 +1,5 @@
 """Attention forwards bound onto module instances, for families whose attention (ALiBi) lives
-inside their own forward instead of going through AttentionInterface (Bloom, Falcon).
+inside their own forward instead of going through AttentionInterface (Bloom, Falcon, MPT).
 
 Each binder returns the replacement forward for one attention module; apply.py records the
 binding so remove() restores the module's own forward.
@@ -86,4 +86,29 @@ def _falcon_split(module, fused_qkv: torch.Tensor):
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
 
-BINDERS = {"bloom": bloom_forward, "falcon": falcon_forward}
+def mpt_forward(module):
+    def forward(hidden_states, position_bias, past_key_values=None, attention_mask=None, **kwargs):
+        batch, length = hidden_states.shape[:2]
+        mixed_qkv = module.Wqkv(hidden_states)
+        if module.clip_qkv:
+            mixed_qkv = mixed_qkv.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+        query, key, value = (x.reshape(batch, length, module.n_heads, module.head_dim).transpose(1, 2)
+                             for x in mixed_qkv.chunk(3, dim=2))
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, module.layer_idx)
+        # MPT's scores: softmax_scale * q.k + position_bias, its ALiBi tensor [H, 1, max_seq_len] of slope x
+        # (key position - last position), of which stock adds the last Nk columns (float32 like stock's).
+        keys = key.shape[-2]
+        if position_bias.shape[-1] < keys:
+            raise ValueError(f"MPT's ALiBi covers max_seq_len={position_bias.shape[-1]} keys, got {keys}: raise "
+                             "max_seq_len in the model config (stock MPT cannot run this length either)")
+        key_bias = position_bias[:, -1, position_bias.shape[-1] - keys:].expand(batch, -1, -1)
+        dropout = module.attn_dropout_p if module.training else 0.0
+        out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout,
+                            scaling=module.softmax_scale, key_bias=key_bias)
+        return module.out_proj(_merge_heads(out)), None
+
+    return forward
+
+
+BINDERS = {"bloom": bloom_forward, "falcon": falcon_forward, "mpt": mpt_forward}

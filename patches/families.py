@@ -22,6 +22,18 @@ class Family:
     logit_divisor: str | None = None  # config attribute the CausalLM divides lm_head's logits by (None value: 1)
     logit_softcap: str | None = None  # config attribute with the final logit softcap, if any
     learned_positions: str | None = None  # config attribute bounding learned absolute positions
+    # Hybrid attention + state-space / linear-attention stacks: some decoder layers mix tokens with a recurrent
+    # module (Mamba, short conv, Gated DeltaNet, ...) instead of softmax attention, so they have no `attention`
+    # attribute (or hold None there). Those mixers are left stock: their state is a recurrence, with nothing to
+    # compute blockwise. Only rows that set this skip such layers: elsewhere a missing attribute is a wrong row
+    # and must fail loudly. The MLP is still required in every layer.
+    hybrid: bool = False
+    # Packed documents (position ids that restart, as our CLI and TRL's padding-free batches pack them) are kept
+    # apart by stock: its masks read the position ids and no recurrent state crosses a document start. False where
+    # stock lets them mix (masks built without position ids: Bloom, Falcon, MPT, gpt-oss, AFMoE; recurrent layers
+    # that carry state across: the hybrids). The patch equals stock either way; train.qlora refuses to pack these
+    # (--no_packing). tests/test_packing.py checks every row against stock's behaviour.
+    packing: bool = True
 
 
 LLAMA_LIKE = Family()
@@ -37,13 +49,18 @@ FAMILIES: dict[str, Family] = {
     "phi3": LLAMA_LIKE,
     "gpt_neox": Family(base="gpt_neox", attention="attention"),
     "gpt2": Family(base="transformer", layers="h", attention="attn", learned_positions="n_positions"),
-    "bloom": Family(base="transformer", layers="h", attention="self_attention", bound_attention="bloom"),
-    "falcon": Family(base="transformer", layers="h", attention="self_attention", bound_attention="falcon"),
+    "bloom": Family(base="transformer", layers="h", attention="self_attention", bound_attention="bloom",
+                    packing=False),
+    "falcon": Family(base="transformer", layers="h", attention="self_attention", bound_attention="falcon",
+                     packing=False),
+    # MPT: ALiBi inside its own forward (bound like Bloom / Falcon); its MLP takes (hidden, residual).
+    "mpt": Family(base="transformer", layers="blocks", attention="attn", mlp="ffn", bound_attention="mpt",
+                  packing=False),
     # Llama-shaped rows: attention through AttentionInterface, masks through create_causal_mask /
     # create_sliding_window_causal_mask (sliding layers of `layer_types` get their window from the mask),
     # decoder layers at model.layers[i].self_attn / .mlp (an MoE block in the *_moe rows: routing is per
     # token, so running it per sequence chunk is exact; its aux loss is refused by check_supported), lm_head.
-    "afmoe": LLAMA_LIKE,
+    "afmoe": Family(packing=False),  # its masks are built without the position ids
     "arcee": LLAMA_LIKE,
     "bitnet": LLAMA_LIKE,
     "dots1": LLAMA_LIKE,
@@ -113,7 +130,7 @@ FAMILIES: dict[str, Family] = {
     "gemma3n_text": Family(logit_softcap="final_logit_softcapping"),
     # Attention sinks: a learned per-head logit (`s_aux`) in every row's softmax normaliser, passed to the kernel.
     # gpt-oss's MoE block returns (hidden, router_scores): chunked on its first output (see _chunked_mlp_forward).
-    "gpt_oss": LLAMA_LIKE,
+    "gpt_oss": Family(packing=False),  # its masks are built without the position ids
     "flint": LLAMA_LIKE,
     "mimo_v2_flash": LLAMA_LIKE,  # sinks on sliding layers only; v head dim != q/k head dim
     "granite_swa": Family(logit_divisor="logits_scaling"),  # sink applied as sigmoid(lse - sink): the same softmax
@@ -127,6 +144,27 @@ FAMILIES: dict[str, Family] = {
     **dict.fromkeys(("aria_text", "cwm", "ernie4_5_moe", "flex_olmo", "kolibri1", "minimax_m2", "qwen2_moe",
                      "qwen3_moe", "solar_open"), LLAMA_LIKE),
     "cohere2_moe": Family(logit_scale="logit_scale"),
+    # Hybrid attention + state-space / linear-attention stacks: the attention layers go through AttentionInterface
+    # with masks from create_causal_mask / create_sliding_window_causal_mask; the recurrent layers (Mamba, Mamba-2,
+    # short conv, Gated DeltaNet) have no `attention` attribute and are left stock. Their own padding mask
+    # (create_recurrent_attention_mask) is the 2-D attention_mask, whatever the attention implementation. Packed
+    # documents (restarting position ids) are kept apart by the attention layers only: stock's recurrent layers carry
+    # their state from one document into the next (they would need seq_idx / cu_seq_lens), and so does the patch:
+    # packing=False.
+    "bamba": Family(mlp="feed_forward", hybrid=True, packing=False),
+    # Granite MoE hybrid: MoE at layer.block_sparse_moe; the shared_mlp beside it is exact but runs unchunked.
+    "granitemoehybrid": Family(mlp="block_sparse_moe", logit_divisor="logits_scaling", hybrid=True, packing=False),
+    "jamba": Family(mlp="feed_forward", hybrid=True, packing=False),
+    "lfm2": Family(mlp="feed_forward", hybrid=True, packing=False),
+    "lfm2_moe": Family(mlp="feed_forward", hybrid=True, packing=False),
+    "lfm3": Family(mlp="feed_forward", hybrid=True, packing=False),
+    **dict.fromkeys(("olmo_hybrid", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
+                    Family(hybrid=True, packing=False)),
+    # Falcon-H1: Mamba-2 beside attention in every layer (so not `hybrid`); logits times lm_head_multiplier.
+    "falcon_h1": Family(mlp="feed_forward", logit_scale="lm_head_multiplier", packing=False),
+    # Linear attention at layer.self_attn too (the attribute is in every layer, so not `hybrid`): those modules
+    # never call AttentionInterface, the bpt_config set on them is unused and they run stock.
+    **dict.fromkeys(("kimi_linear", "minimax"), Family(packing=False)),
 }
 
 

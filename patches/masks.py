@@ -58,6 +58,10 @@ class BlockMaskInputs:
     def view(self, *_shape) -> "BlockMaskInputs":
         return self
 
+    def to(self, *_args, **_kwargs) -> "BlockMaskInputs":
+        """MPT turns its mask into a boolean one (`.to(torch.bool)`); the O(N) inputs are dtype-free."""
+        return self
+
 
 def bpt_mask(
     batch_size: int,

@@ -1,14 +1,16 @@
 """The README's support table, generated from the registry (`FAMILIES`) and the tests' tiny configs.
 
 `python -m patches.support_table` prints it; `--write` replaces the README block between `<!-- support-table -->`
-and `<!-- /support-table -->` (tests/test_readme_sync.py asserts the README equals this output). Every mark is
-derived from data, none is typed by hand:
+and `<!-- /support-table -->`, and the family list and count (tests/test_readme_sync.py asserts the README agrees).
+Every mark is derived from data, none is typed by hand:
 
-- padding, packing: yes for every family (the exactness tests run each one with right padding and packed documents).
+- padding: yes for every family (the exactness tests run each one with right padding).
+- packing: the row's `packing` field: stock keeps packed documents apart (tests/test_packing.py checks it against
+  stock; the exactness tests run every family packed either way, and train.qlora refuses to pack the others).
 - window / softcap / ALiBi: read from the transformers config class defaults and from each of the family's tiny
   configs (what the exactness tests exercise): sliding windows (`layer_types` with a sliding layer, else a
-  `sliding_window` value), attention or final logit softcap, ALiBi of the bound-attention families (Bloom always,
-  Falcon when `alibi`).
+  `sliding_window` value), attention or final logit softcap, ALiBi of the bound-attention families (Bloom and MPT
+  always, Falcon when `alibi`).
 - sinks: the tiny model, built on the meta device (no memory, no init), has a `sinks` parameter in its attention.
 - MoE: the config class defaults have experts, or the tiny model has an `experts` module. Not the tiny configs'
   expert counts: they are passed to dense families too (ignored by the model but kept on the config).
@@ -18,6 +20,7 @@ derived from data, none is typed by hand:
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -70,7 +73,7 @@ def _softcap(config, family) -> bool:
 
 
 def _alibi(config, family) -> bool:
-    return family.bound_attention == "bloom" or (family.bound_attention == "falcon" and bool(config.alibi))
+    return family.bound_attention in ("bloom", "mpt") or (family.bound_attention == "falcon" and bool(config.alibi))
 
 
 def _moe(config) -> bool:
@@ -84,8 +87,11 @@ def _built(config, family) -> tuple[bool, bool]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     layers = getattr(getattr(model, family.base), family.layers)
-    sinks = any(name.split(".")[-1] == "sinks" for layer in layers
-                for name, _ in getattr(layer, family.attention).named_parameters())
+    # A hybrid row's recurrent layers have no attention module (None); any other row must have one in every layer.
+    attentions = [getattr(layer, family.attention, None) if family.hybrid else getattr(layer, family.attention)
+                  for layer in layers]
+    sinks = any(name.split(".")[-1] == "sinks" for attention in attentions if attention is not None
+                for name, _ in attention.named_parameters())
     experts = any(name.split(".")[-1] == "experts" for layer in layers for name, _ in layer.named_modules())
     return sinks, experts
 
@@ -102,7 +108,7 @@ def support_rows() -> dict[str, dict[str, str]]:
         configs = [AutoConfig.for_model(model_type), *tiny_configs]
         built = [_built(c, family) for c in tiny_configs]
         marks = {
-            "padding": True, "packing": True,
+            "padding": True, "packing": family.packing,
             "window": any(_window(c) for c in configs),
             "softcap": any(_softcap(c, family) for c in configs),
             "sinks": any(sinks for sinks, _ in built),
@@ -128,11 +134,25 @@ def readme_block(text: str) -> str:
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
 
 
+def with_family_list(text: str) -> str:
+    """README text with its `<!-- families -->` list (wrapped, indented under its bullet) and count from FAMILIES."""
+    lines, line = [], "  <!-- families -->"
+    for name in sorted(FAMILIES):
+        piece = f"{name}, "
+        if len(line) + len(piece) > 117:
+            lines.append(line.rstrip())
+            line = "  "
+        line += piece
+    listed = "\n".join([*lines, line.rstrip(", ") + "<!-- /families -->"])
+    text = re.sub(r"  <!-- families -->.*?<!-- /families -->", lambda _: listed, text, flags=re.S)
+    return re.sub(r"\(`config\.model_type`, \d+;", f"(`config.model_type`, {len(FAMILIES)};", text)
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     table = support_table()
     if argv == ["--write"]:
-        text = README.read_text()
+        text = with_family_list(README.read_text())
         head, rest = text.split(BEGIN, 1)
         README.write_text(f"{head}{BEGIN}\n\n{table}\n\n{END}{rest.split(END, 1)[1]}")
     elif argv:

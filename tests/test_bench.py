@@ -13,7 +13,12 @@ from argparse import Namespace
 
 import pytest
 
-from bpt import bench
+from bpt.bench import main
+from bpt.bench.cli import build_parser, sweep, validate
+from bpt.bench.measure import PROBE_MIB
+from bpt.bench.report import format_report, summarize
+from bpt.bench.workers import describe_exit, run_worker
+from bpt.config import BPTConfig
 
 SEQ_LENS = [128, 256]
 # Blocks well below the lengths, so the patched side really runs blockwise (the defaults exceed 256 tokens).
@@ -27,8 +32,8 @@ SIDES = ["stock", "patched"]
 def report(tmp_path_factory):
     """One sweep over the tiny preset, both sides, shared by the tests."""
     output = tmp_path_factory.mktemp("bench") / "tiny.json"
-    bench.main(["--model", "tiny", "--seq_lens", *map(str, SEQ_LENS), "--sides", *SIDES,
-                "--steps", "1", "--threads", "1", "--device", "cpu", "--output", str(output), *SMALL_BLOCKS])
+    main(["--model", "tiny", "--seq_lens", *map(str, SEQ_LENS), "--sides", *SIDES,
+          "--steps", "1", "--threads", "1", "--device", "cpu", "--output", str(output), *SMALL_BLOCKS])
     return output
 
 
@@ -74,10 +79,10 @@ def test_patched_side_reported(report):
 
 def test_memory_measurement_sees_a_known_allocation():
     """A step that allocates 1 GiB (in 16 MiB pieces, after a previous step freed the same) measures ~1 GiB."""
-    probe = bench.run_worker({"task": "probe", "device": "cpu", "malloc": "mmap", "threads": 1})
+    probe = run_worker({"task": "probe", "device": "cpu", "malloc": "mmap", "threads": 1})
     assert probe["ok"], probe
-    assert probe["expected_mib"] == bench.PROBE_MIB
-    assert probe["measured_mib"] == pytest.approx(bench.PROBE_MIB, rel=0.03)
+    assert probe["expected_mib"] == PROBE_MIB
+    assert probe["measured_mib"] == pytest.approx(PROBE_MIB, rel=0.03)
 
 
 def test_dead_worker_is_a_failed_run_and_the_sweep_goes_on(capsys):
@@ -86,24 +91,24 @@ def test_dead_worker_is_a_failed_run_and_the_sweep_goes_on(capsys):
         if spec["task"] == "probe":
             return {"ok": True, "expected_mib": 1024.0, "measured_mib": 1024.0}
         if spec["seq_len"] == 256:
-            return {"ok": False, "error": bench.describe_exit(-signal.SIGKILL, "")}
+            return {"ok": False, "error": describe_exit(-signal.SIGKILL, "")}
         return {"ok": True, "step_mib": spec["seq_len"] / 10, "median_s": 1.0, "tokens_per_s": spec["seq_len"],
                 "loss": 1.0, "threads": 1}
 
-    args = bench.build_parser().parse_args(["--model", "tiny", "--seq_lens", "128", "256", "512", "--sides", "stock"])
-    bench.validate(bench.build_parser(), args)
-    runs, _ = bench.sweep(args, {}, runner)
+    args = build_parser().parse_args(["--model", "tiny", "--seq_lens", "128", "256", "512", "--sides", "stock"])
+    validate(build_parser(), args)
+    runs, _ = sweep(args, {}, runner)
     assert [(r["seq_len"], r["ok"]) for r in runs] == [(128, True), (256, False), (512, True)]
     assert "OOM killer" in runs[1]["error"]
-    summary = bench.summarize(runs, [128, 256, 512])
+    summary = summarize(runs, [128, 256, 512])
     assert summary["rows"][1]["stock_step_mib"] is None
     assert summary["rows"][1]["stock_status"].startswith("failed: killed by SIGKILL")
     assert summary["growth"]["mib_per_1k_tokens"]["stock"] == pytest.approx((51.2 - 12.8) / (384 / 1024))
 
 
 def test_describe_exit():
-    assert bench.describe_exit(1, "Traceback ...\nRuntimeError: boom\n") == "exit status 1: RuntimeError: boom"
-    assert bench.describe_exit(-signal.SIGTERM, "").startswith("killed by SIGTERM")
+    assert describe_exit(1, "Traceback ...\nRuntimeError: boom\n") == "exit status 1: RuntimeError: boom"
+    assert describe_exit(-signal.SIGTERM, "").startswith("killed by SIGTERM")
 
 
 def test_find_max_doubles_until_failure():
@@ -112,15 +117,15 @@ def test_find_max_doubles_until_failure():
         return ({"ok": True, "step_mib": 1.0, "median_s": 1.0, "tokens_per_s": 1.0, "loss": 1.0, "threads": 1}
                 if ok else {"ok": False, "error": "out of memory"})
 
-    args = Namespace(**{**vars(bench.build_parser().parse_args(["--sides", "stock"])),
+    args = Namespace(**{**vars(build_parser().parse_args(["--sides", "stock"])),
                         "seq_lens": [128, 256], "sides": ["stock"], "find_max": True, "max_len": 8192,
-                        "bpt": bench.BPTConfig(), "device": "cpu"})
-    runs, found = bench.sweep(args, {}, runner)
+                        "bpt": BPTConfig(), "device": "cpu"})
+    runs, found = sweep(args, {}, runner)
     assert [r["seq_len"] for r in runs] == [128, 256, 512, 1024, 2048]
     assert found["stock"] == {"longest_ok": 1024, "first_failed": 2048, "reason": "out of memory"}
 
     args.max_len = 512
-    _, found = bench.sweep(args, {}, runner)
+    _, found = sweep(args, {}, runner)
     assert found["stock"] == {"longest_ok": 512, "first_failed": None, "reason": "reached --max_len 512"}
 
 
@@ -128,7 +133,7 @@ def test_summary_ratios_and_targets():
     runs = [{"side": s, "seq_len": n, "ok": True, "step_mib": mib, "median_s": t, "tokens_per_s": n / t}
             for s, n, mib, t in [("stock", 4096, 1000.0, 2.0), ("stock", 8192, 2000.0, 4.0),
                                  ("patched", 4096, 100.0, 1.0), ("patched", 8192, 150.0, 4.0)]]
-    summary = bench.summarize(runs, [4096, 8192])
+    summary = summarize(runs, [4096, 8192])
     row = summary["rows"][1]
     assert row["mem_ratio"] == pytest.approx(0.075) and row["time_ratio"] == 1.0 and row["speedup"] == 1.0
     growth = summary["growth"]
@@ -136,7 +141,7 @@ def test_summary_ratios_and_targets():
     assert growth["ratio"] == pytest.approx(0.05)
     assert summary["targets"]["mem_ratio_at_8192"]["met"] is True
     assert summary["targets"]["time_ratio_at_8192"]["met"] is True
-    assert "seq_len" in bench.format_report(summary, {})
+    assert "seq_len" in format_report(summary, {})
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -152,13 +157,13 @@ def test_bad_input_fails_before_any_work(argv, message, capsys):
         raise AssertionError("no work may start on bad input")
 
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--sides", "stock", *argv], runner=runner)
+        main(["--sides", "stock", *argv], runner=runner)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_gradient_checkpointing_flags():
-    parse = bench.build_parser().parse_args
+    parse = build_parser().parse_args
     assert parse([]).gradient_checkpointing is True
     assert parse(["--no_gradient_checkpointing"]).gradient_checkpointing is False
 
@@ -167,7 +172,7 @@ def test_bad_config_json(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(SystemExit):
-        bench.main(["--sides", "stock", "--model", str(path)], runner=None)
+        main(["--sides", "stock", "--model", str(path)], runner=None)
     assert "needs a 'model_type' key" in capsys.readouterr().err
 
 

@@ -27,11 +27,33 @@ def _counting(monkeypatch, module, name: str) -> list:
     return calls
 
 
+# config.layer_types entries of layers whose token mixer is recurrent (Mamba, short conv, linear attention): no
+# softmax attention to run blockwise. Every other entry (full / sliding / chunked attention, Falcon-H1's "hybrid"
+# layer with attention beside Mamba) has one.
+RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "mamba")
+
+
+def attention_layers(model, family) -> int:
+    """How many layers must run blockwise attention, from the config, never from the patched modules: a hybrid
+    family whose attention layers stop going through the patch (renamed attribute, mixer outside AttentionInterface)
+    still fails. Linear attention at layer.self_attn (Kimi Linear, MiniMax) counts as recurrent."""
+    layers = len(getattr(getattr(model, family.base), family.layers))
+    layer_types = getattr(model.config, "layer_types", None)
+    if layer_types is None:
+        assert not family.hybrid, f"{model.config.model_type}: a hybrid row's tiny config needs layer_types"
+        return layers
+    assert len(layer_types) == layers
+    count = sum(layer_type not in RECURRENT_LAYER_TYPES for layer_type in layer_types)
+    assert not family.hybrid or 0 < count < layers, f"{model.config.model_type}: tiny config needs both layer kinds"
+    return count
+
+
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_patched_model_runs_the_blockwise_ops(monkeypatch, name):
     model = tiny_model(name)
     family = FAMILIES[model.config.model_type]
     layers = len(getattr(getattr(model, family.base), family.layers))
+    expected_attention = attention_layers(model, family)
     apply_bpt_patch(model, **SMALL_BLOCKS)
     attention = _counting(monkeypatch, patches.attention, "blockwise_attention")
     mlp = _counting(monkeypatch, patches.apply, "chunked_mlp")
@@ -39,4 +61,22 @@ def test_patched_model_runs_the_blockwise_ops(monkeypatch, name):
     batch = make_batch("right_padded")  # 45 tokens > every block: each op really chunks
     with torch.no_grad():
         model(**batch)
-    assert (len(attention), len(mlp), len(loss)) == (layers, layers, 1)
+    assert (len(attention), len(mlp), len(loss)) == (expected_attention, layers, 1)
+
+
+def test_hybrid_rows_skip_only_layers_without_attention(monkeypatch):
+    """Family.hybrid: recurrent layers (no attention attribute) are left stock; a row without it that names a missing
+    attribute fails loudly, and a hybrid row that finds no attention layer at all raises instead of patching nothing."""
+    from patches.families import Family, UnsupportedModelError
+
+    model = tiny_model("bamba")
+    recurrent, attention = getattr(model, "model").layers
+    with apply_bpt_patch(model, **SMALL_BLOCKS):
+        assert hasattr(attention.self_attn, patches.attention.CONFIG_ATTR) and not hasattr(recurrent, "self_attn")
+    monkeypatch.setitem(FAMILIES, "bamba", Family(mlp="feed_forward"))  # not hybrid
+    with pytest.raises(AttributeError, match="self_attn"):
+        apply_bpt_patch(model, **SMALL_BLOCKS)
+    monkeypatch.setitem(FAMILIES, "bamba", Family(mlp="feed_forward", attention="attn", hybrid=True))  # wrong name
+    with pytest.raises(UnsupportedModelError, match="nothing to patch"):
+        apply_bpt_patch(model, **SMALL_BLOCKS)
+    assert not patches.is_patched(model) and not hasattr(attention.self_attn, patches.attention.CONFIG_ATTR)

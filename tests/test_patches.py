@@ -21,7 +21,8 @@ def make_batch(kind: str, batch: int = 2, length: int = LENGTH, seed: int = 0) -
     input_ids = torch.randint(3, VOCAB, (batch, length), generator=g)
     labels = input_ids.clone()
     labels[:, :5] = -100
-    inputs = {"input_ids": input_ids, "labels": labels}
+    # use_cache=False as in training (our CLI, TRL): with a cache, transformers skips its packed-document detection.
+    inputs = {"input_ids": input_ids, "labels": labels, "use_cache": False}
     if kind == "right_padded":
         mask = torch.ones(batch, length, dtype=torch.long)
         mask[0, -9:] = 0

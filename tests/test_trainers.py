@@ -22,7 +22,7 @@ def _token_rows(count: int = 8) -> Dataset:
     rows = []
     for seed in range(count):
         batch = make_batch("right_padded", batch=1, seed=seed)
-        rows.append({key: value[0].tolist() for key, value in batch.items()})
+        rows.append({key: value[0].tolist() for key, value in batch.items() if isinstance(value, torch.Tensor)})
     return Dataset.from_list(rows)
 
 

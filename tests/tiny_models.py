@@ -17,6 +17,14 @@ _MOE = dict(num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_
 # Multi-head latent attention ranks (DeepSeek-style) and group-limited MoE routing.
 _MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 _MLA_MOE = dict(_MOE, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+# Mamba-2 mixers: 4 heads of 16 (expand 2 x hidden 32), state 8, chunked scan in chunks of 16.
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16, mamba_n_groups=1)
+# Gated DeltaNet linear attention: 2 key heads, 8 value heads of 8. Decay A = exp(A_log) is drawn from U(0.01, 16) per
+# value head; a head with a large A forgets at once and its A_log / dt_bias gradients are cancellation noise (stock's
+# own fp32 error vs fp64 ~1e-4 of their max). With 4 value heads seed 0 drew only such heads (patched vs stock 3e-4 on
+# qwen3_5_moe_text; on qwen3_5_text each ~1e-4 from fp64); 8 heads include slower ones whose gradients set the scale.
+_DELTA_NET = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=8,
+                  linear_key_head_dim=8, linear_value_head_dim=8)
 
 # name -> (model_type, config overrides). Several variants may share a family.
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {
@@ -126,6 +134,36 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "ernie4_5_moe": ("ernie4_5_moe", {**_COMMON, "head_dim": 8, **_MOE, "moe_num_experts": 4, "moe_k": 2,
                                       "moe_num_shared_experts": 1}),
     "cohere2_moe": ("cohere2_moe", {**_COMMON, "head_dim": 8, **_MOE, **_SLIDING_AND_FULL, "logit_scale": 0.5}),
+    # Hybrid attention + state-space / linear-attention stacks (Family.hybrid): a recurrent layer first, so the
+    # attention layer after it sees its output; recurrent mixers run their CPU torch paths (chunk sizes below 45
+    # tokens, so chunked scans cross chunks).
+    "bamba": ("bamba", {**_COMMON, **_MAMBA2, "attn_layer_indices": [1]}),
+    "granitemoehybrid": ("granitemoehybrid", {
+        **_COMMON, **_MAMBA2, **_MOE, "layer_types": ["linear_attention", "full_attention"],
+        "shared_intermediate_size": 24, "logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+        "attention_multiplier": 0.25}),
+    "jamba": ("jamba", {**_COMMON, **_MOE, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                        "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 4}),
+    "lfm2": ("lfm2", {**_COMMON, "layer_types": ["conv", "full_attention"], "block_auto_adjust_ff_dim": False}),
+    "lfm2_moe": ("lfm2_moe", {**_COMMON, **_MOE, "num_dense_layers": 1, "layer_types": ["conv", "full_attention"]}),
+    "lfm3": ("lfm3", {**_COMMON, "head_dim": 8, "sliding_window": 7,
+                      "layer_types": ["conv", "sliding_attention", "full_attention"], "num_hidden_layers": 3}),
+    **{name: (name, {**_COMMON, "head_dim": 8, **_DELTA_NET, **extra}) for name, extra in (
+        ("olmo_hybrid", {}), ("qwen3_5_text", {}), ("qwen3_next", _MOE), ("qwen3_5_moe_text", _MOE))},
+    # Mamba-2 in parallel with attention in every layer; muP multipliers, logits times lm_head_multiplier.
+    "falcon_h1": ("falcon_h1", {**_COMMON, **_MAMBA2, "head_dim": 8, "mamba_d_ssm": 64, "lm_head_multiplier": 0.5,
+                                "embedding_multiplier": 2.0, "key_multiplier": 0.5, "attention_in_multiplier": 0.5,
+                                "ssm_in_multiplier": 0.5, "ssm_out_multiplier": 2.0}),
+    # Linear attention at layer.self_attn beside softmax attention: Kimi Delta Attention + MLA, MiniMax lightning
+    # attention (blocks of 16) + attention.
+    "kimi_linear": ("kimi_linear", {**_COMMON, "num_key_value_heads": 4, **_MLA, **_MLA_MOE, "linear_head_dim": 8,
+                                    "linear_num_heads": 4, "layer_types": ["linear_attention", "full_attention"],
+                                    "mlp_layer_types": ["dense", "sparse"]}),
+    "minimax": ("minimax", {**_COMMON, "head_dim": 8, **_MOE, "block_size": 16,
+                            "layer_types": ["linear_attention", "full_attention"]}),
+    # MPT: ALiBi from its own [H, 1, max_seq_len] tensor; 6 heads (not a power of two: interleaved slopes), clip_qkv.
+    "mpt": ("mpt", dict(vocab_size=VOCAB, d_model=48, n_heads=6, n_layers=2, expansion_ratio=2, max_seq_len=256,
+                        resid_pdrop=0.0, emb_pdrop=0.0, attn_config={"attn_pdrop": 0, "clip_qkv": 0.5})),
 }
 
 

@@ -72,6 +72,18 @@ def check_bpt_support(config) -> None:
         raise UserError(message) from None
 
 
+def check_packing(config, packing: bool) -> None:
+    """UserError when packing would let documents attend to each other: a family whose stock masks ignore the
+    restarting position ids, or whose recurrent layers carry state across (Family.packing). Patched or not."""
+    from patches import FAMILIES
+
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if packing and family is not None and not family.packing:
+        raise UserError(f"{config.model_type} models let packed documents attend to each other (stock transformers "
+                        "builds their attention without the restarting position ids, or carries recurrent state "
+                        "across documents); pass --no_packing to train one document per row")
+
+
 def apply_rope_scaling(config, max_seq_len: int, kind: str | None, factor: float | None) -> float | None:
     """Check that max_seq_len fits the model's positions and set RoPE scaling on `config` in place.
 

@@ -130,7 +130,7 @@ class Preflight:
 def preflight(args: Args) -> Preflight:
     """Every check that needs no weights, in the order a user would fix them. Raises UserError."""
     from train.data import check_source
-    from train.model import apply_rope_scaling, check_bpt_support, load_config, load_tokenizer
+    from train.model import apply_rope_scaling, check_bpt_support, check_packing, load_config, load_tokenizer
 
     check_tracker(args.report_to)
     check_output_dir(args)
@@ -143,6 +143,7 @@ def preflight(args: Args) -> Preflight:
     config = load_config(args.model_name_or_path, args.trust_remote_code)
     if args.bpt:
         check_bpt_support(config)
+    check_packing(config, args.packing)
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     return Preflight(config, tokenizer, rope_factor, resume_path)

@@ -1,0 +1,188 @@
+"""Benchmark harness: training-step memory and speed, stock transformers vs the BPT patch.
+
+    python -m bpt.bench --model llama-ref --seq_lens 4096 8192 16384
+    python -m bpt.bench --model llama-3-8b --dtype bf16 --seq_lens 8192 16384 --find_max --max_len 524288
+    python -m bpt.bench --model path/to/config.json --sides patched --lora --output bench_results/x.json
+
+- `build_parser`, `validate`: the flags, and every input checked before any work (errors exit with status 2)
+- `run_spec`, `sweep`: one worker spec per (side, seq_len), all lengths, then --find_max doubling
+- `main`: probe, sweep, summary, output files; or, with `--worker`, the worker process itself
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from bpt.bench.models import PRESETS, SIDES, resolve_model_config
+from bpt.bench.report import environment, format_report, summarize, write_outputs
+from bpt.bench.workers import run_worker, worker_main
+from bpt.config import BPTConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = BPTConfig()
+    p = argparse.ArgumentParser(prog="python -m bpt.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="llama-ref", help=f"preset ({', '.join(PRESETS)}) or a config json path")
+    p.add_argument("--seq_lens", type=int, nargs="+", default=[4096, 8192, 16384], help="tokens per sequence")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="stock transformers and/or BPT")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and compute")
+    p.add_argument("--batch_size", type=int, default=1, help="sequences per step")
+    p.add_argument("--gradient_checkpointing", dest="gradient_checkpointing", action="store_true", default=True,
+                   help="checkpoint every decoder layer, on both sides")
+    p.add_argument("--no_gradient_checkpointing", dest="gradient_checkpointing", action="store_false")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per run, after 1 warm-up step")
+    p.add_argument("--q_block", type=int, default=defaults.q_block)
+    p.add_argument("--kv_block", type=int, default=defaults.kv_block)
+    p.add_argument("--mlp_chunk", type=int, default=defaults.mlp_chunk)
+    p.add_argument("--loss_chunk", type=int, default=defaults.loss_chunk)
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile of the patch")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters only (peft, all linear layers)")
+    p.add_argument("--lora_r", type=int, default=16)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in the workers (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--find_max", action="store_true",
+                   help="after the sweep, double the length per side until a run fails or --max_len")
+    p.add_argument("--max_len", type=int, default=None, help="cap of --find_max (required with it)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run before it is killed and failed")
+    p.add_argument("--malloc", choices=("mmap", "default"), default="mmap",
+                   help="glibc malloc setting of CPU workers (see worker_env); 'default' only to compare")
+    p.add_argument("--output", type=Path, default=None,
+                   help="result JSON (a CSV is written next to it); default bench_results/<model>-<time>.json")
+    p.add_argument("--worker", metavar="SPEC_JSON", help=argparse.SUPPRESS)
+    return p
+
+
+def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Check every input before any work; returns the resolved model config. Errors exit with status 2."""
+    for name in ("batch_size", "steps", "lora_r"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    bad = [n for n in args.seq_lens if n <= 0]
+    if bad:
+        p.error(f"--seq_lens must be positive token counts, got {bad}")
+    args.seq_lens = sorted(set(args.seq_lens))
+    args.sides = [s for s in SIDES if s in args.sides]
+    if args.threads is not None and args.threads <= 0:
+        p.error(f"--threads must be positive, got {args.threads}")
+    if args.find_max and args.max_len is None:
+        p.error("--find_max needs --max_len (the cap for doubling the length)")
+    if args.max_len is not None and args.max_len <= 0:
+        p.error(f"--max_len must be positive, got {args.max_len}")
+    try:
+        args.bpt = BPTConfig(q_block=args.q_block, kv_block=args.kv_block, mlp_chunk=args.mlp_chunk,
+                             loss_chunk=args.loss_chunk, compile={"auto": None, "on": True, "off": False}[args.compile])
+    except ValueError as error:
+        p.error(str(error))
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available to torch here")
+    if args.device == "cpu" and not os.path.exists("/proc/self/clear_refs"):
+        p.error("CPU memory measurement needs Linux /proc/self/clear_refs; run on Linux or with --device cuda")
+    if args.lora:
+        try:
+            importlib.metadata.version("peft")
+        except importlib.metadata.PackageNotFoundError:
+            p.error("--lora needs peft installed (pip install peft)")
+    if "patched" in args.sides:
+        try:
+            from patches import apply_bpt_patch  # noqa: F401
+        except ImportError as error:
+            p.error(f"the patched side needs patches.apply_bpt_patch ({error}); run with --sides stock")
+    longest = max(args.seq_lens + ([args.max_len] if args.find_max else []))
+    try:
+        return resolve_model_config(args.model, longest)
+    except ValueError as error:
+        p.error(str(error))
+
+
+def run_spec(args: argparse.Namespace, model_config: dict, side: str, seq_len: int) -> dict:
+    """The worker spec of one (side, seq_len) training run."""
+    return {
+        "task": "train", "side": side, "seq_len": seq_len, "model_config": model_config,
+        "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
+        "gradient_checkpointing": args.gradient_checkpointing, "lora": args.lora, "lora_r": args.lora_r,
+        "bpt": asdict(args.bpt), "steps": args.steps, "seed": args.seed, "threads": args.threads,
+        "malloc": args.malloc,
+    }
+
+
+def sweep(args: argparse.Namespace, model_config: dict, runner: Callable[[dict], dict]) -> tuple[list, dict]:
+    """All (side, seq_len) runs, then --find_max doubling. Returns (runs, find_max summary)."""
+    runs = []
+
+    def one(side, seq_len, phase):
+        print(f"[{side:7s} {seq_len:>7d}] running ...", flush=True)
+        result = runner(run_spec(args, model_config, side, seq_len))
+        run = {"side": side, "seq_len": seq_len, "phase": phase, **result}
+        runs.append(run)
+        if run["ok"]:
+            print(f"[{side:7s} {seq_len:>7d}] {run['step_mib']:9.1f} MiB/step  {run['median_s']:8.3f} s/step  "
+                  f"{run['tokens_per_s']:9.0f} tok/s  loss {run['loss']:.4f}", flush=True)
+        else:
+            print(f"[{side:7s} {seq_len:>7d}] FAILED: {run['error']}", flush=True)
+        return run
+
+    for seq_len in args.seq_lens:
+        for side in args.sides:
+            one(side, seq_len, "sweep")
+    found = {}
+    if args.find_max:
+        for side in args.sides:
+            ok = [r["seq_len"] for r in runs if r["side"] == side and r["ok"]]
+            failed = [r for r in runs if r["side"] == side and not r["ok"]]
+            first_failed = min(failed, key=lambda r: r["seq_len"]) if failed else None
+            seq_len = max(args.seq_lens) * 2
+            while first_failed is None and seq_len <= args.max_len:
+                run = one(side, seq_len, "find_max")
+                if run["ok"]:
+                    ok.append(seq_len)
+                else:
+                    first_failed = run
+                seq_len *= 2
+            found[side] = {
+                "longest_ok": max(ok) if ok else None,
+                "first_failed": first_failed["seq_len"] if first_failed else None,
+                "reason": first_failed["error"] if first_failed else f"reached --max_len {args.max_len}",
+            }
+    return runs, found
+
+
+def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = None) -> dict:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.worker:
+        sys.exit(worker_main(args.worker))
+    model_config = validate(p, args)
+    runner = runner or (lambda spec: run_worker(spec, args.timeout))
+
+    probe = runner({"task": "probe", "device": args.device, "malloc": args.malloc, "threads": args.threads})
+    if probe.get("ok"):
+        off = abs(probe["measured_mib"] - probe["expected_mib"]) / probe["expected_mib"]
+        print(f"memory probe: a step allocating {probe['expected_mib']:.0f} MiB measured "
+              f"{probe['measured_mib']:.1f} MiB" + ("  WARNING: memory figures are unreliable" if off > 0.05 else ""))
+    else:
+        print(f"memory probe failed: {probe['error']}")
+
+    runs, found = sweep(args, model_config, runner)
+    summary = summarize(runs, args.seq_lens)
+    report = {"environment": environment(args, model_config, runs, probe), "summary": summary,
+              "find_max": found, "runs": runs}
+    model_name = args.model if args.model in PRESETS else Path(args.model).stem
+    output = args.output or Path("bench_results") / (
+        f"{model_name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    csv_path = write_outputs(output, report)
+    print()
+    print(format_report(summary, found))
+    print(f"\nwrote {output} and {csv_path}")
+    return report

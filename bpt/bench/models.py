@@ -1,0 +1,98 @@
+"""The models benchmarked: presets, config resolution, building the stock or patched model.
+
+- `SIDES`: the two sides compared, stock transformers and the BPT patch
+- `PRESETS`: model shapes by name (random weights from config are fine for memory and speed)
+- `resolve_model_config`: preset name or config json -> config dict, checked against transformers
+- `build_model`: the seeded model of a worker spec, with gradient checkpointing, LoRA and the patch as asked
+
+transformers (and peft, patches) are imported only inside these functions: `bpt` must stay importable
+without transformers.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+SIDES = ("stock", "patched")
+
+# Model shapes (random weights from config are fine for memory and speed). max_position_embeddings is
+# set per sweep to cover its longest length.
+PRESETS: dict[str, dict] = {
+    # For tests: builds and steps in well under a second.
+    "tiny": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=176, vocab_size=1024),
+    # The CPU reference model of the acceptance targets.
+    "llama-ref": dict(model_type="llama", hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, intermediate_size=1408, vocab_size=32000),
+    # Full-size shapes, for GPU runs.
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                         tie_word_embeddings=True),
+    "llama-3-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                         tie_word_embeddings=True),
+}
+
+
+def resolve_model_config(spec: str, longest: int) -> dict:
+    """Preset name or config-json path -> config dict (with model_type) able to position `longest` tokens.
+
+    Raises ValueError with what to do on an unknown preset, a missing/invalid file or an unknown family.
+    """
+    if spec in PRESETS:
+        config = dict(PRESETS[spec])
+    elif os.path.isfile(spec):
+        try:
+            with open(spec) as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"--model {spec}: cannot read it as a transformers config json ({error})") from None
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise ValueError(f"--model {spec}: a transformers config json needs a 'model_type' key")
+        config.pop("quantization_config", None)  # random weights: quantization is --lora's business, not the config's
+    else:
+        raise ValueError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing config json file")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config["model_type"] not in CONFIG_MAPPING:
+        raise ValueError(f"--model {spec}: model_type {config['model_type']!r} is unknown to this transformers version")
+    # Random weights with computed (rotary) or freshly initialized positions: extending the range
+    # only lets the model accept the lengths we ask for; it does not change the per-token cost.
+    config["max_position_embeddings"] = max(int(config.get("max_position_embeddings") or 0), longest)
+    config["use_cache"] = False
+    return config
+
+
+def build_model(spec: dict):
+    """Stock model from the spec's config (seeded, so both sides get the same weights), ready to train."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**spec["model_config"])
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    torch.manual_seed(spec["seed"])
+    with torch.device(spec["device"]):  # build in place: an 8B model is never materialized on the host
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    model.train()
+    if spec["gradient_checkpointing"]:
+        # transformers renamed it (the old name warns); accept both for transformers >= 5.0
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.0,
+                          target_modules="all-linear", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)  # freezes the base: only adapters train, as in QLoRA
+    handle = None
+    if spec["side"] == "patched":  # same order as train/model.py: LoRA first, then the patch
+        from patches import apply_bpt_patch
+
+        handle = apply_bpt_patch(model, **spec["bpt"])
+    return model, handle

@@ -1,0 +1,160 @@
+"""What a sweep found, for people and files: summary rows, growth, targets, environment, JSON and CSV.
+
+- `summarize`: per-length rows (stock vs patched), memory growth per side, the acceptance targets
+- `format_report`: the table and verdict lines printed at the end of a sweep
+- `environment`: versions, device, model and flags, recorded with every result
+- `write_outputs`: the JSON with everything and a CSV next to it, one row per length
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from bpt.bench.models import SIDES
+
+# Acceptance targets of the project, reported (never asserted): name -> (row field at seq_len, limit).
+# growth_ratio is patched / stock MiB per 1K tokens between the smallest and largest length.
+TARGETS = {
+    "mem_ratio_at_8192": (("mem_ratio", 8192), 0.15),    # patched step MiB / stock step MiB
+    "growth_ratio": (None, 1 / 20),
+    "time_ratio_at_8192": (("time_ratio", 8192), 1.0),   # patched step time / stock step time
+}
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b not in (None, 0) else None
+
+
+def summarize(runs: list[dict], seq_lens: list[int]) -> dict:
+    """Per-length rows (stock vs patched), memory growth per side and the acceptance targets."""
+    by_key = {(r["side"], r["seq_len"]): r for r in runs if r.get("phase", "sweep") == "sweep"}
+
+    def value(side, seq_len, field):
+        run = by_key.get((side, seq_len))
+        return run[field] if run and run["ok"] else None
+
+    rows = []
+    for seq_len in seq_lens:
+        stock_s, patched_s = value("stock", seq_len, "median_s"), value("patched", seq_len, "median_s")
+        row = {
+            "seq_len": seq_len,
+            "stock_step_mib": value("stock", seq_len, "step_mib"),
+            "patched_step_mib": value("patched", seq_len, "step_mib"),
+            "stock_tok_s": value("stock", seq_len, "tokens_per_s"),
+            "patched_tok_s": value("patched", seq_len, "tokens_per_s"),
+            "stock_step_s": stock_s,
+            "patched_step_s": patched_s,
+        }
+        row["mem_ratio"] = _ratio(row["patched_step_mib"], row["stock_step_mib"])   # patched / stock
+        row["time_ratio"] = _ratio(patched_s, stock_s)                              # patched / stock
+        row["speedup"] = _ratio(stock_s, patched_s)                                 # stock / patched
+        for side in SIDES:
+            run = by_key.get((side, seq_len))
+            row[f"{side}_status"] = "n/a" if run is None else ("ok" if run["ok"] else "failed: " + run["error"])
+        rows.append(row)
+
+    growth = {}
+    small, large = min(seq_lens), max(seq_lens)
+    for side in SIDES:
+        lo, hi = value(side, small, "step_mib"), value(side, large, "step_mib")
+        if lo is not None and hi is not None and large > small:
+            growth[side] = (hi - lo) / ((large - small) / 1024)  # MiB per 1K tokens
+    growth = {"from_seq_len": small, "to_seq_len": large, "mib_per_1k_tokens": growth,
+              "ratio": _ratio(growth.get("patched"), growth.get("stock"))}
+
+    row_at = {row["seq_len"]: row for row in rows}
+    targets = {}
+    for name, (where, limit) in TARGETS.items():
+        got = growth["ratio"] if where is None else row_at.get(where[1], {}).get(where[0])
+        targets[name] = {"limit": limit, "value": got, "met": None if got is None else got <= limit}
+    return {"rows": rows, "growth": growth, "targets": targets}
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def format_report(summary: dict, find_max: dict) -> str:
+    cols = [("seq_len", "seq_len", "d"), ("stock MiB", "stock_step_mib", ".1f"),
+            ("patched MiB", "patched_step_mib", ".1f"), ("mem p/s", "mem_ratio", ".3f"),
+            ("stock tok/s", "stock_tok_s", ".0f"), ("patched tok/s", "patched_tok_s", ".0f"),
+            ("time p/s", "time_ratio", ".3f"), ("speedup s/p", "speedup", ".2f")]
+    widths = [max(len(title), 11) for title, _, _ in cols]
+    lines = ["  ".join(title.rjust(w) for (title, _, _), w in zip(cols, widths))]
+    for row in summary["rows"]:
+        lines.append("  ".join(_fmt(row[key], spec).rjust(w) for (_, key, spec), w in zip(cols, widths)))
+    for row in summary["rows"]:
+        for side in SIDES:
+            if row[f"{side}_status"].startswith("failed"):
+                lines.append(f"  {side} @ {row['seq_len']}: {row[f'{side}_status']}")
+    g = summary["growth"]
+    per = g["mib_per_1k_tokens"]
+    if g["from_seq_len"] == g["to_seq_len"]:
+        lines.append("memory growth: needs at least two lengths")
+    else:
+        lines.append(f"memory growth {g['from_seq_len']} -> {g['to_seq_len']} (MiB per 1K tokens): "
+                     f"stock {_fmt(per.get('stock'), '.2f')}, patched {_fmt(per.get('patched'), '.2f')}, "
+                     f"patched/stock {_fmt(g['ratio'], '.4f')}")
+    for name, t in summary["targets"].items():
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        lines.append(f"target {name} <= {t['limit']:.3g}: {_fmt(t['value'], '.4f')} ({verdict})")
+    for side, f in find_max.items():
+        lines.append(f"find_max {side}: longest ok {f['longest_ok']}, first failed {f['first_failed']} ({f['reason']})")
+    return "\n".join(lines)
+
+
+def environment(args: argparse.Namespace, model_config: dict, runs: list[dict], probe: dict | None) -> dict:
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    if args.device == "cuda":
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                device_name = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), device_name)
+        except OSError:
+            pass
+    threads = next((r["threads"] for r in runs if r.get("ok")), None)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "transformers": version("transformers"), "peft": version("peft"),
+        "device": args.device, "device_name": device_name, "cpu_count": os.cpu_count(), "threads": threads,
+        "model": args.model, "model_config": model_config, "dtype": args.dtype, "batch_size": args.batch_size,
+        "gradient_checkpointing": args.gradient_checkpointing, "lora": args.lora,
+        "lora_r": args.lora_r if args.lora else None, "bpt": asdict(args.bpt), "steps": args.steps,
+        "warmup_steps": 1, "seed": args.seed, "malloc": args.malloc, "memory_probe": probe,
+    }
+
+
+CSV_ENV_FIELDS = ("date", "model", "device", "device_name", "dtype", "batch_size", "gradient_checkpointing",
+                  "lora", "threads", "torch", "transformers", "malloc")
+
+
+def write_outputs(path: Path, report: dict) -> Path:
+    """JSON with everything, and a CSV next to it: one row per length, environment repeated per row."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    csv_path = path.with_suffix(".csv")
+    env = report["environment"]
+    env_cols = {k: env[k] for k in CSV_ENV_FIELDS} | {k: v for k, v in env["bpt"].items()}
+    with open(csv_path, "w", newline="") as f:
+        rows = [env_cols | row for row in report["summary"]["rows"]]
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return csv_path
