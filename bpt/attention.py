@@ -468,12 +468,18 @@ def _finish_rows(m: Tensor, l: Tensor, acc: Tensor) -> tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _make_plan(spec: _Spec, b: int, nq: int, nk: int, padding_mask, segment_ids):
-    """-> [(i0, i1, [_KVBlock, ...]) per query block]."""
+def _make_plan(spec: _Spec, b: int, nq: int, nk: int, padding_mask, segment_ids, q_segment_ids=None):
+    """-> [(i0, i1, [_KVBlock, ...]) per query block].
+
+    q_segment_ids [B, Nq]: the queries' own segment ids, for callers (bpt.sequence_parallel.ring) whose queries are not the
+    last keys; None = segment_ids[:, offset:].
+    """
     qb, kb, off, window = spec.q_block, spec.kv_block, spec.offset, spec.window
     pad_stats = _block_min_max(padding_mask, kb) if padding_mask is not None else None
     seg_k = _block_min_max(segment_ids, kb) if segment_ids is not None else None
-    seg_q = _block_min_max(segment_ids[:, off:], qb) if segment_ids is not None else None
+    if segment_ids is not None and q_segment_ids is None:
+        q_segment_ids = segment_ids[:, off:]
+    seg_q = _block_min_max(q_segment_ids, qb) if segment_ids is not None else None
     plan = []
     for i0 in range(0, nq, qb):
         i1 = min(i0 + qb, nq)
@@ -531,11 +537,16 @@ def _segment_overlap(seg_q, qi: int, seg_k, kj: int) -> tuple[bool, bool]:
     return visible, needs_mask
 
 
-def _mask_args(spec: _Spec, b: int, i0: int, i1: int, blk: _KVBlock, padding_mask, segment_ids, slopes):
-    """The O(N) pieces one block's mask / bias is built from (trailing args of the step functions)."""
+def _mask_args(spec: _Spec, b: int, i0: int, i1: int, blk: _KVBlock, padding_mask, segment_ids, slopes,
+               q_segment_ids=None):
+    """The O(N) pieces one block's mask / bias is built from (trailing args of the step functions).
+
+    q_segment_ids: as in _make_plan (None = the queries are the last keys of segment_ids)."""
     p0 = i0 + spec.offset  # key position of the block's first query
     pad_k = padding_mask[:, blk.j0:blk.j1] if blk.padding else None  # [B, bk]
-    seg_q = segment_ids[:, p0:p0 + i1 - i0] if blk.segments else None  # [B, bq]
+    seg_q = None
+    if blk.segments:  # [B, bq]
+        seg_q = segment_ids[:, p0:p0 + i1 - i0] if q_segment_ids is None else q_segment_ids[:, i0:i1]
     seg_k = segment_ids[:, blk.j0:blk.j1] if blk.segments else None  # [B, bk]
     if slopes is not None and slopes.dim() == 4:  # key_bias [B, Hkv, G, Nk] -> [B, Hkv, G, 1, bk]
         slopes = slopes[:, :, :, None, blk.j0:blk.j1]

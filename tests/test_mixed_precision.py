@@ -30,10 +30,6 @@ from tiny_models import TINY_CONFIGS, tiny_config, tiny_model
 
 WORSE_AT_MOST = 1.5
 SEEDS = range(8)
-# Configs whose scalar loss needs more batches to rise above the noise (the gradients pass with 8). MPT, right padded
-# under autocast: loss ratio 1.51 over seeds 0-7, 1.10 over 8-15, 1.33 over 0-15, 1.41 over 0-31, while its attention
-# alone is more precise than stock's (test_mpt_attention_under_autocast_no_worse_than_stock).
-SEEDS_FOR = {"mpt": range(16)}
 
 
 AUTOCAST = {"autocast": torch.bfloat16, "fp16_autocast": torch.float16}  # mode -> autocast dtype
@@ -64,10 +60,23 @@ def all_experts_routing(config) -> dict:
     return overrides
 
 
+def _token_losses(model, inputs, mode: str, device: str) -> torch.Tensor:
+    """Each labelled token's loss (fp32 cross entropy of the model's logits, shifted as the model's own loss is),
+    from a forward without labels: the patched model then returns logits like stock."""
+    unlabelled = {key: value for key, value in inputs.items() if key != "labels"}
+    with torch.no_grad(), torch.autocast(device, dtype=AUTOCAST.get(mode, torch.bfloat16), enabled=mode in AUTOCAST):
+        logits = model(**unlabelled).logits.float()
+    labels = inputs["labels"][:, 1:]
+    losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels, reduction="none", ignore_index=-100)
+    return losses[labels != -100]
+
+
 def low_precision_errors(name: str, kind: str, mode: str, checkpointing: str | None = None, device: str = "cpu",
                          seeds=SEEDS, **overrides):
-    """-> {"loss": (patched, stock), parameter name: (patched, stock)} RMS errors against fp32, with MoE routing to
-    every expert (module docstring)."""
+    """-> {"token_loss": (patched, stock), parameter name: (patched, stock)} RMS errors against fp32, with MoE routing
+    to every expert (module docstring). The loss is compared token by token: its batch mean averages bf16 errors of
+    opposite signs down to ~1e-5 relative, where which side lands closer is a coin toss (measured: the scalar loss
+    of 5 families' packed cases at 1.54-1.86x stock's, every gradient and every token's loss within the limit)."""
     overrides = {**all_experts_routing(tiny_config(name, **overrides)), **overrides}
     reference = tiny_model(name, **overrides).to(device)
     stock, patched = copy.deepcopy(reference), copy.deepcopy(reference)
@@ -83,15 +92,17 @@ def low_precision_errors(name: str, kind: str, mode: str, checkpointing: str | N
     for seed in seeds:
         inputs = {key: value.to(device) if isinstance(value, torch.Tensor) else value
                   for key, value in make_batch(kind, seed=seed).items()}
-        ref_loss, ref_grads = loss_and_grads(reference, inputs)
+        _, ref_grads = loss_and_grads(reference, inputs)
+        ref_token_losses = _token_losses(reference, inputs, "fp32", device)
         for side, model in (("stock", stock), ("patched", patched)):
-            loss, grads = _run(model, inputs, mode, device)
+            _, grads = _run(model, inputs, mode, device)
             errors = squared[side]
-            errors["loss"] = errors.get("loss", 0.0) + ((loss.float() - ref_loss) / ref_loss).item() ** 2
+            token_error = (_token_losses(model, inputs, mode, device) - ref_token_losses).pow(2).sum().item()
+            errors["token_loss"] = errors.get("token_loss", 0.0) + token_error
             assert grads.keys() == ref_grads.keys()
             for param, ref in ref_grads.items():
                 errors[param] = errors.get(param, 0.0) + (grads[param].float() - ref).pow(2).sum().item()
-        norms["loss"] = len(seeds)
+        norms["token_loss"] = norms.get("token_loss", 0.0) + ref_token_losses.pow(2).sum().item()
         for param, ref in ref_grads.items():
             norms[param] = norms.get(param, 0.0) + ref.pow(2).sum().item()
     return {key: ((squared["patched"][key] / norms[key]) ** 0.5, (squared["stock"][key] / norms[key]) ** 0.5)
@@ -110,7 +121,7 @@ def assert_no_worse_than_stock(errors: dict):
 @pytest.mark.parametrize("kind", ["right_padded", "packed"])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_low_precision_no_worse_than_stock(name, kind, mode):
-    assert_no_worse_than_stock(low_precision_errors(name, kind, mode, seeds=SEEDS_FOR.get(name, SEEDS)))
+    assert_no_worse_than_stock(low_precision_errors(name, kind, mode))
 
 
 def test_mpt_attention_under_autocast_no_worse_than_stock():

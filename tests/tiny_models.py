@@ -161,6 +161,8 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
                                     "mlp_layer_types": ["dense", "sparse"]}),
     "minimax": ("minimax", {**_COMMON, "head_dim": 8, **_MOE, "block_size": 16,
                             "layer_types": ["linear_attention", "full_attention"]}),
+    **{name: (name, {**_COMMON, "head_dim": 8, **extra}) for name, extra in (
+        ("mellum", _MOE), ("ministral3", {}), ("starcoder2", {}))},
     # MPT: ALiBi from its own [H, 1, max_seq_len] tensor; 6 heads (not a power of two: interleaved slopes), clip_qkv.
     "mpt": ("mpt", dict(vocab_size=VOCAB, d_model=48, n_heads=6, n_layers=2, expansion_ratio=2, max_seq_len=256,
                         resid_pdrop=0.0, emb_pdrop=0.0, attn_config={"attn_pdrop": 0, "clip_qkv": 0.5})),

@@ -1,0 +1,407 @@
+"""Ring attention: one sequence split across a process group, on the blockwise kernel's own math.
+
+Layout (zigzag). A global sequence of N tokens is padded at its END to N_pad = 2W * c tokens, c = ceil(N / 2W),
+and cut into 2W chunks of c tokens; rank r of a group of W ranks holds chunks r and 2W-1-r, concatenated
+(local length 2c). Under a causal mask every rank then does the same amount of work. `zigzag_shard` /
+`zigzag_unshard` / `zigzag_positions` convert between the layouts; every per-token input (hidden states,
+padding mask, segment ids, labels, dO) is sharded the same way.
+
+Uneven lengths: pass the true global length as `seq_len` (default: W * local length, no padding). Keys at
+global positions >= seq_len are hidden from every query, and query rows there output exact zeros and get
+(and give) zero gradients: the result on the real tokens is exactly that of `blockwise_attention` on the
+unpadded sequence, whatever the pad tokens hold.
+
+Algorithm (one custom autograd Function). Forward: each rank keeps the running max / sum / accumulator of its
+local query rows (fp32, as `bpt.attention`), and its K/V shard (with its key-side padding mask and segment ids)
+travels around the ring by P2P (send to rank + 1, receive from rank - 1); the next shard's transfer is started
+before the current shard is folded in and waited after, so communication overlaps compute. Each incoming
+shard is folded into the same running online softmax, block by block, with `bpt.attention._forward_step`:
+partial results merge through their running max / sum exactly as the single-device kernel merges key blocks.
+Backward: the K/V shards travel again, each rank adds the shard's dK / dV contributions
+(`_backward_step`, probabilities recomputed from the saved logsumexp) into an fp32 accumulator that travels
+with the shard, one hop behind it (so its transfer overlaps the next step's compute); after W steps each
+accumulator is back at the rank that owns the K/V. dQ stays local.
+
+Masks are global: causal, sliding window and ALiBi use GLOBAL positions (from the zigzag layout), segment ids
+and padding travel with their keys. (query chunk, key chunk) pairs that causality, the window, the padding or
+the true length hide completely are skipped, and inside a pair `_make_plan` skips blocks as on one device.
+Not supported (raise ValueError): key_bias, sinks, dropout.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from bpt.attention import (_MAX_INIT, _autocast_inputs, _autocast_off, _finish_rows, _forward_step,
+                           _backward_step, _make_plan, _mask_args, _rows, _scaled_rows, _Spec, _validate,
+                           _Workspace)
+from bpt.compile import should_compile
+
+__all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Zigzag layout
+# ----------------------------------------------------------------------------------------------------
+
+
+def _chunk_ids(rank: int, world: int) -> tuple[int, int]:
+    return rank, 2 * world - 1 - rank
+
+
+def zigzag_shard(x: Tensor, dim: int, rank: int, world: int, *, pad_value=0) -> Tensor:
+    """Global tensor -> rank's zigzag shard along dim: chunks rank and 2W-1-rank of the sequence padded with
+    pad_value at its end to a multiple of 2W (local length 2 * ceil(N / 2W))."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    n = x.shape[dim]
+    c = -(-n // (2 * world))
+    pad = 2 * world * c - n
+    if pad:
+        shape = list(x.shape)
+        shape[dim] = pad
+        x = torch.cat([x, x.new_full(shape, pad_value)], dim)
+    a, b = _chunk_ids(rank, world)
+    return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim)
+
+
+def zigzag_unshard(shards: list[Tensor] | tuple[Tensor, ...], dim: int, seq_len: int | None = None) -> Tensor:
+    """Every rank's shard (in rank order) -> the global tensor along dim, cut to seq_len (the inverse of
+    zigzag_shard)."""
+    world = len(shards)
+    n = shards[0].shape[dim]
+    if world == 0 or n % 2 or any(s.shape != shards[0].shape for s in shards):
+        raise ValueError("zigzag_unshard needs one shard per rank, all of one shape, even along dim")
+    c = n // 2
+    chunks: list[Tensor | None] = [None] * (2 * world)
+    for rank, shard in enumerate(shards):
+        a, b = _chunk_ids(rank, world)
+        chunks[a], chunks[b] = shard.narrow(dim, 0, c), shard.narrow(dim, c, c)
+    out = torch.cat(chunks, dim)
+    return out if seq_len is None else out.narrow(dim, 0, seq_len)
+
+
+def zigzag_positions(local_len: int, rank: int, world: int, device=None) -> Tensor:
+    """Global positions [local_len] (int64) of a rank's zigzag shard."""
+    if local_len % 2:
+        raise ValueError(f"a zigzag shard has an even length, got {local_len}")
+    c = local_len // 2
+    a, b = _chunk_ids(rank, world)
+    return torch.cat([torch.arange(a * c, a * c + c, device=device), torch.arange(b * c, b * c + c, device=device)])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group=None,
+    seq_len: int | None = None,
+    scale: float | None = None,
+    causal: bool = True,
+    padding_mask: Tensor | None = None,
+    segment_ids: Tensor | None = None,
+    sliding_window: int | None = None,
+    alibi_slopes: Tensor | None = None,
+    softcap: float | None = None,
+    key_bias: Tensor | None = None,
+    sinks: Tensor | None = None,
+    dropout: float = 0.0,
+    q_block: int = 1024,
+    kv_block: int = 1024,
+    compile: bool | None = None,
+) -> Tensor:
+    """Self-attention over a sequence sharded across `group` (zigzag layout, see the module docstring).
+
+    q [B, Hq, n, D], k [B, Hkv, n, D], v [B, Hkv, n, Dv]: this rank's LOCAL shard (n = 2c, the same on every
+    rank) -> this rank's output shard [B, Hq, n, Dv]. padding_mask / segment_ids: this rank's shard [B, n] of
+    the global [B, N] inputs (same meaning as in blockwise_attention). seq_len: the global length before
+    padding (default W * n). Every other option means what it means in blockwise_attention, on global
+    positions. key_bias, sinks and dropout are not supported and raise ValueError.
+    """
+    for name, value in (("key_bias", key_bias), ("sinks", sinks)):
+        if value is not None:
+            raise ValueError(f"ring_attention does not support {name} (yet); use blockwise_attention on one "
+                             "device for it")
+    if dropout:
+        raise ValueError("ring_attention does not support dropout (yet): pass dropout=0.0 (attention dropout "
+                         "is 0 in the models trained at long context)")
+    q, k, v = _autocast_inputs(q, k, v)
+    _validate(q, k, v, scale, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap, q_block,
+              kv_block, compile)
+    n = q.shape[2]
+    if k.shape[2] != n or n == 0 or n % 2:
+        raise ValueError(f"ring_attention needs q and k shards of one even length (two zigzag chunks, see "
+                         f"zigzag_shard), got q {q.shape[2]}, k {k.shape[2]}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("ring_attention needs an initialised torch.distributed process group")
+    ring = _Ring(group, n // 2)
+    padded = ring.world * n
+    if seq_len is None:
+        seq_len = padded
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= padded:
+        raise ValueError(f"seq_len must be an integer in [1, world * local length = {padded}], got {seq_len!r}")
+    ring.seq_len = seq_len
+    b, hq = q.shape[:2]
+    hkv = k.shape[1]
+    spec = _Spec(scale=float(q.shape[-1] ** -0.5 if scale is None else scale), causal=bool(causal),
+                 window=sliding_window, softcap=None if softcap is None else float(softcap), q_block=q_block,
+                 kv_block=kv_block, offset=0, acc_dtype=torch.promote_types(q.dtype, torch.float32),
+                 groups=hq // hkv, use_compile=should_compile(compile, q))
+    # key-side mask [B, n] (True = real key): the padding mask and the true length, or None
+    key_mask = None if padding_mask is None else padding_mask != 0
+    if seq_len < padded:
+        real = zigzag_positions(n, ring.rank, ring.world, q.device) < seq_len  # [n]
+        key_mask = real.expand(b, n) if key_mask is None else key_mask & real
+    if key_mask is not None:
+        key_mask = key_mask.contiguous()
+    if segment_ids is not None:
+        segment_ids = segment_ids.long().contiguous()
+    slopes = None if alibi_slopes is None else alibi_slopes.to(spec.acc_dtype).view(hkv, hq // hkv)  # [Hkv, G]
+    return _RingAttention.apply(q, k, v, key_mask, segment_ids, slopes, spec, ring)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Communication
+# ----------------------------------------------------------------------------------------------------
+
+
+class _Ring:
+    """Ranks and chunk geometry of one call; P2P exchange with the ring neighbours."""
+
+    def __init__(self, group, c: int):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.c = c  # tokens per chunk
+        self.seq_len = 2 * self.world * c
+        as_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.next = as_global((self.rank + 1) % self.world)
+        self.prev = as_global((self.rank - 1) % self.world)
+
+    def chunk_starts(self, rank: int) -> tuple[int, int]:
+        """Global positions of the first token of rank's two chunks."""
+        a, b = _chunk_ids(rank, self.world)
+        return a * self.c, b * self.c
+
+    def exchange(self, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
+        """Start sending tensors to the next rank and receiving their like from the previous one.
+
+        -> (receive buffers, works to wait on). Every rank issues the same ops in the same order, so the
+        sends of rank r - 1 pair with the receives of rank r (gloo and NCCL alike).
+        """
+        received = [torch.empty_like(t) for t in tensors]
+        ops = []
+        for t, buf in zip(tensors, received):
+            ops.append(dist.P2POp(dist.isend, t, self.next, self.group))
+            ops.append(dist.P2POp(dist.irecv, buf, self.prev, self.group))
+        return received, (dist.batch_isend_irecv(ops) if ops else [])
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def _pack(k3: Tensor, v3: Tensor, key_mask, segment_ids) -> list[Tensor]:
+    """What travels with a K/V shard: k, v, then the key-side mask (as uint8) and segment ids if present."""
+    shard = [k3, v3]
+    if key_mask is not None:
+        shard.append(key_mask.to(torch.uint8))
+    if segment_ids is not None:
+        shard.append(segment_ids)
+    return shard
+
+
+def _unpack(shard: list[Tensor], has_mask: bool, has_seg: bool):
+    k3, v3, rest = shard[0], shard[1], shard[2:]
+    key_mask = rest.pop(0).bool() if has_mask else None
+    segment_ids = rest.pop(0) if has_seg else None
+    return k3, v3, key_mask, segment_ids
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plan: which (query chunk, key chunk) pairs a ring step computes, and their blocks
+# ----------------------------------------------------------------------------------------------------
+
+
+def _step_plan(spec: _Spec, ring: _Ring, src: int, b: int, key_mask, segment_ids, q_segment_ids):
+    """Pairs of this rank's query chunks x src's key chunks to compute -> [(qc, kc, pair_spec, plan)].
+
+    key_mask / segment_ids: src's key-side inputs [B, 2c] (or None); q_segment_ids: this rank's [B, 2c].
+    A pair's spec has offset = first query position - first key position, so `_make_plan` / `_mask_args`
+    see global positions (ALiBi, causal and window rules use only differences of positions).
+    """
+    c, window = ring.c, spec.window
+    pairs = []
+    for qc, p0 in enumerate(ring.chunk_starts(ring.rank)):
+        if p0 >= ring.seq_len:
+            continue  # only padding queries: their rows are zeroed
+        for kc, k0 in enumerate(ring.chunk_starts(src)):
+            if k0 >= ring.seq_len:
+                continue  # only padding keys
+            if spec.causal and k0 > p0 + c - 1:
+                continue  # every key after every query
+            if window is not None and p0 - (k0 + c - 1) >= window:
+                continue  # every key out of every query's window
+            cols = slice(kc * c, kc * c + c)
+            pair_spec = dataclasses.replace(spec, offset=p0 - k0)
+            plan = _make_plan(pair_spec, b, c, c, None if key_mask is None else key_mask[:, cols],
+                              None if segment_ids is None else segment_ids[:, cols],
+                              None if q_segment_ids is None else q_segment_ids[:, qc * c:qc * c + c])
+            if any(blocks for _, _, blocks in plan):
+                pairs.append((qc, kc, pair_spec, plan))
+    return pairs
+
+
+def _pair_blocks(pair, ring: _Ring, b: int, key_mask, segment_ids, q_segment_ids, slopes):
+    """-> (qc, i0, i1, key offset of the block in the shard, block length, mask args) per block of a pair."""
+    qc, kc, pair_spec, plan = pair
+    c = ring.c
+    cols = slice(kc * c, kc * c + c)
+    pad = None if key_mask is None else key_mask[:, cols]
+    seg = None if segment_ids is None else segment_ids[:, cols]
+    q_seg = None if q_segment_ids is None else q_segment_ids[:, qc * c:qc * c + c]
+    for i0, i1, blocks in plan:
+        for blk in blocks:
+            yield (qc, i0, i1, kc * c + blk.j0, blk.j1 - blk.j0,
+                   _mask_args(pair_spec, b, i0, i1, blk, pad, seg, slopes, q_segment_ids=q_seg))
+
+
+def _query_blocks(spec: _Spec, c: int) -> list[tuple[int, int, int]]:
+    """(query chunk, i0, i1) of every query block; rows of chunk qc sit at qc * c + i0 : qc * c + i1."""
+    return [(qc, i0, min(i0 + spec.q_block, c)) for qc in (0, 1) for i0 in range(0, c, spec.q_block)]
+
+
+def _padding_rows(ring: _Ring, n: int, device) -> Tensor | None:
+    """Local rows past the true length [n] bool, or None when there are none."""
+    if ring.seq_len >= 2 * ring.world * ring.c:
+        return None
+    return zigzag_positions(n, ring.rank, ring.world, device) >= ring.seq_len
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autograd Function
+# ----------------------------------------------------------------------------------------------------
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    @_autocast_off
+    def forward(ctx, q, k, v, key_mask, segment_ids, slopes, spec: _Spec, ring: _Ring):
+        b, hq, n, d = q.shape
+        hkv, dv = k.shape[1], v.shape[3]
+        bh, g, c, acc_dtype = b * hkv, spec.groups, ring.c, spec.acc_dtype
+        q3 = q.reshape(bh, g, n, d)  # query heads grouped under their kv head
+        k3 = k.reshape(bh, n, d).contiguous()
+        v3 = v.reshape(bh, n, dv).contiguous()
+        has_mask, has_seg = key_mask is not None, segment_ids is not None
+        qblocks = _query_blocks(spec, c)
+        state = {}  # (qc, i0) -> (qs [BH, R, D], m [BH, R], l [BH, R], acc [BH, R, Dv])
+        for qc, i0, i1 in qblocks:
+            rows = g * (i1 - i0)
+            state[qc, i0] = (_scaled_rows(q3, qc * c + i0, qc * c + i1, spec),
+                             q.new_full((bh, rows), _MAX_INIT, dtype=acc_dtype),
+                             q.new_zeros((bh, rows), dtype=acc_dtype),
+                             q.new_zeros((bh, rows, dv), dtype=acc_dtype))
+        work = _Workspace(enabled=not spec.use_compile)
+        shard = _pack(k3, v3, key_mask, segment_ids)
+        plans = []
+        for step in range(ring.world):
+            incoming, works = ring.exchange(shard) if step + 1 < ring.world else (None, [])  # overlaps compute
+            kb3, vb3, mask_s, seg_s = _unpack(shard, has_mask, has_seg)
+            pairs = _step_plan(spec, ring, (ring.rank - step) % ring.world, b, mask_s, seg_s, segment_ids)
+            plans.append(pairs)
+            for pair in pairs:
+                for qc, i0, i1, j0, bk, margs in _pair_blocks(pair, ring, b, mask_s, seg_s, segment_ids, slopes):
+                    qs, m, l, acc = state[qc, i0]
+                    _forward_step(qs, kb3[:, j0:j0 + bk], vb3[:, j0:j0 + bk], m, l, acc,
+                                  work.get("s", (bh, qs.shape[1], bk), qs), None, *margs,
+                                  use_compile=spec.use_compile)
+            _wait(works)
+            shard = incoming
+        out = q.new_empty(b, hq, n, dv)
+        out3 = out.view(bh, g, n, dv)
+        lse = q.new_empty(bh, g, n, dtype=acc_dtype)  # per-row logsumexp, +inf for empty rows
+        for qc, i0, i1 in qblocks:
+            _, m, l, acc = state.pop((qc, i0))
+            out_b, lse_b = _finish_rows(m, l, acc)
+            out3[:, :, qc * c + i0:qc * c + i1] = out_b.view(bh, g, i1 - i0, dv)
+            lse[:, :, qc * c + i0:qc * c + i1] = lse_b.view(bh, g, i1 - i0)
+        pad_rows = _padding_rows(ring, n, q.device)
+        if pad_rows is not None:  # rows past the true length: exact zeros, no gradient (like empty rows)
+            out3[:, :, pad_rows] = 0
+            lse[:, :, pad_rows] = float("inf")
+        ctx.save_for_backward(q3, k3, v3, out, lse, key_mask, segment_ids, slopes)
+        ctx.spec, ctx.ring, ctx.plans, ctx.shapes = spec, ring, plans, (q.shape, k.shape, v.shape)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    @_autocast_off
+    def backward(ctx, dout):
+        q3, k3, v3, out, lse, key_mask, segment_ids, slopes = ctx.saved_tensors
+        spec, ring, plans = ctx.spec, ctx.ring, ctx.plans
+        q_shape, k_shape, v_shape = ctx.shapes
+        bh, g, n, d = q3.shape
+        dv_dim, b, c, acc_dtype = v3.shape[-1], q_shape[0], ring.c, spec.acc_dtype
+        do3 = dout.reshape(bh, g, n, dv_dim)
+        pad_rows = _padding_rows(ring, n, q3.device)
+        if pad_rows is not None:  # their outputs are constant zeros
+            do3 = do3.clone()
+            do3[:, :, pad_rows] = 0
+        o3 = out.view(bh, g, n, dv_dim)
+        has_mask, has_seg = key_mask is not None, segment_ids is not None
+        rows_of = {}  # (qc, i0) -> (qs, dO rows, -lse, -delta, dq accumulator)
+        for qc, i0, i1 in _query_blocks(spec, c):
+            r0, r1 = qc * c + i0, qc * c + i1
+            dob = _rows(do3, r0, r1, acc_dtype)  # [BH, R, Dv]
+            rows_of[qc, i0] = (_scaled_rows(q3, r0, r1, spec), dob,
+                               -lse[:, :, r0:r1].reshape(bh, -1),
+                               -(dob * _rows(o3, r0, r1, acc_dtype)).sum(-1),  # delta = rowsum(dO * O)
+                               torch.zeros((bh, g * (i1 - i0), d), dtype=acc_dtype, device=q3.device))
+        work = _Workspace(enabled=not spec.use_compile)
+        shard = _pack(k3, v3, key_mask, segment_ids)
+        grads = None  # the dK / dV accumulator finished in the previous step, to pass on
+        for step in range(ring.world):
+            # K/V for the next step, and the previous step's accumulator to its next holder (who needs it
+            # after this step's compute): both in flight while this step computes.
+            outgoing = (shard if step + 1 < ring.world else []) + ([] if grads is None else grads)
+            incoming, works = ring.exchange(outgoing)
+            kb3, vb3, mask_s, seg_s = _unpack(shard, has_mask, has_seg)
+            dk = torch.zeros(k3.shape, dtype=acc_dtype, device=k3.device)  # [BH, n, D]
+            dv = torch.zeros(v3.shape, dtype=acc_dtype, device=v3.device)  # [BH, n, Dv]
+            for pair in plans[step]:
+                for qc, i0, i1, j0, bk, margs in _pair_blocks(pair, ring, b, mask_s, seg_s, segment_ids, slopes):
+                    qs, dob, neg_lse, neg_delta, dqb = rows_of[qc, i0]
+                    shape = (bh, qs.shape[1], bk)
+                    _backward_step(qs, kb3[:, j0:j0 + bk], vb3[:, j0:j0 + bk], dob, neg_lse, neg_delta, dqb,
+                                   dk[:, j0:j0 + bk], dv[:, j0:j0 + bk], work.get("s", shape, qs),
+                                   work.get("ds", shape, qs), None, *margs, use_compile=spec.use_compile)
+            _wait(works)
+            if grads is not None:  # the accumulator of this step's shard, from the previous rank
+                dk.add_(incoming[-2])
+                dv.add_(incoming[-1])
+                incoming = incoming[:-2]
+            grads, shard = [dk, dv], incoming
+        if ring.world > 1:  # the last accumulator goes home: rank r + 1 owns the shard rank r held last
+            received, works = ring.exchange(grads)
+            _wait(works)
+            grads = received
+        dk, dv = grads
+        dq = torch.empty(q3.shape, dtype=acc_dtype, device=q3.device)  # [BH, G, n, D]
+        for qc, i0, i1 in _query_blocks(spec, c):
+            dq[:, :, qc * c + i0:qc * c + i1] = rows_of[qc, i0][4].view(bh, g, i1 - i0, d)
+        dq.mul_(spec.scale)  # s = (scale * q) . k
+        dtype = q3.dtype
+        return (dq.view(q_shape).to(dtype), dk.view(k_shape).to(dtype), dv.view(v_shape).to(dtype),
+                None, None, None, None, None)

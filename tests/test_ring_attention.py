@@ -1,0 +1,249 @@
+"""Ring attention (bpt.sequence_parallel.ring) over real gloo processes vs single-process blockwise_attention, fp32.
+
+One spawn per world size (2, 3, 4) runs every case in a loop; each rank saves its output / gradient shards
+and the parent unshards them and compares with blockwise_attention on the unsharded tensors.
+"""
+import math
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from bpt.attention import blockwise_attention
+from bpt.sequence_parallel.ring import ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WORLDS = (1, 2, 3, 4)
+OUT_TOL, GRAD_TOL = 1e-5, 1e-4
+
+# name -> (N, Hq, Hkv, options, q_block, kv_block); options are blockwise_attention's, with
+# padding_mask / segment_ids / alibi_slopes given as the strings "padding", "segments", "alibi".
+CASES = {
+    "causal": (37, 4, 4, {}, 1024, 1024),
+    "causal_gqa_small_blocks": (45, 4, 2, {}, 3, 2),
+    "causal_divisible": (48, 4, 2, {}, 5, 7),
+    "causal_tiny_n": (5, 4, 2, {}, 1024, 1024),
+    "full_mqa": (37, 4, 1, {"causal": False}, 4, 3),
+    "padding": (45, 4, 2, {"padding_mask": "padding"}, 4, 3),
+    "padding_full": (37, 4, 4, {"causal": False, "padding_mask": "padding"}, 1024, 1024),
+    "segments": (45, 4, 2, {"segment_ids": "segments"}, 4, 4),
+    "segments_full_mqa": (37, 4, 1, {"causal": False, "segment_ids": "segments"}, 3, 5),
+    "window_3": (45, 4, 2, {"sliding_window": 3}, 2, 3),
+    "window_13": (45, 4, 4, {"sliding_window": 13}, 1024, 1024),
+    "window_30": (45, 4, 1, {"sliding_window": 30}, 4, 4),
+    "window_7_full": (37, 4, 2, {"causal": False, "sliding_window": 7}, 3, 3),
+    "alibi": (37, 4, 2, {"alibi_slopes": "alibi"}, 4, 3),
+    "alibi_window_full": (45, 4, 4, {"causal": False, "alibi_slopes": "alibi", "sliding_window": 10}, 5, 4),
+    "softcap": (45, 4, 2, {"softcap": 2.0, "scale": 0.9}, 4, 3),
+    "everything_gqa": (45, 4, 2, {"padding_mask": "padding", "segment_ids": "segments", "sliding_window": 9,
+                                   "alibi_slopes": "alibi", "softcap": 3.0}, 3, 5),
+    "everything_mqa_full": (37, 4, 1, {"causal": False, "padding_mask": "padding", "segment_ids": "segments",
+                                        "alibi_slopes": "alibi", "softcap": 3.0}, 4, 4),
+}
+WRONG_LAYOUT = "causal_gqa_small_blocks"  # also run with a contiguous (not zigzag) split: must fail
+SUBGROUP_CASE = "everything_gqa"  # also run on process subgroups (world 4 = two rings of 2)
+
+
+def _inputs(name):
+    """Deterministic global inputs of a case: (q, k, v, dout, options with tensors, N)."""
+    n, hq, hkv, options, _, _ = CASES[name]
+    gen = torch.Generator().manual_seed(sorted(CASES).index(name) + 1)
+    b, d = 2, 8
+    q = torch.randn(b, hq, n, d, generator=gen)
+    k = torch.randn(b, hkv, n, d, generator=gen)
+    v = torch.randn(b, hkv, n, d, generator=gen)
+    dout = torch.randn(b, hq, n, d, generator=gen)
+    options = dict(options)
+    if options.get("padding_mask") == "padding":
+        mask = torch.rand(b, n, generator=gen) > 0.3
+        mask[0, :6] = False  # left padding: the first queries see no key (zero rows) under causal
+        mask[1, n - 9:] = False  # right padding
+        options["padding_mask"] = mask
+    if options.get("segment_ids") == "segments":
+        starts = torch.zeros(b, n, dtype=torch.long)
+        starts[0, [5, 6, 17, 30]] = 1  # a one-token document, a document across shards
+        starts[1, torch.randperm(n - 1, generator=gen)[:6] + 1] = 1
+        options["segment_ids"] = starts.cumsum(1)
+    if options.get("alibi_slopes") == "alibi":
+        options["alibi_slopes"] = torch.tensor([2.0 ** (-8 * (h + 1) / hq) for h in range(hq)])
+    return q, k, v, dout, options, n
+
+
+def _contiguous_shard(x, dim, rank, world, pad_value=0):
+    """A plain contiguous split, padded like zigzag_shard: the wrong layout for ring_attention."""
+    padded = zigzag_unshard([zigzag_shard(x, dim, r, world, pad_value=pad_value) for r in range(world)], dim)
+    n = padded.shape[dim] // world
+    return padded.narrow(dim, rank * n, n)
+
+
+def _run_case(name, rank, world, shard, group=None, dtype=torch.float32):
+    q, k, v, dout, options, n = _inputs(name)
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    _, _, _, _, q_block, kv_block = CASES[name]
+    # Tokens past N (when 2W does not divide N) get inputs that WOULD change the result if seq_len did not
+    # hide them: real-looking keys (padding_mask True, segment 0), large q/k/v values and output gradients.
+    local = {key: shard(value, 1, rank, world, pad_value=1 if key == "padding_mask" else 0)
+             if key in ("padding_mask", "segment_ids") else value for key, value in options.items()}
+    qs, ks, vs = (shard(t, 2, rank, world, pad_value=3.0).requires_grad_() for t in (q, k, v))
+    out = ring_attention(qs, ks, vs, group=group, seq_len=n, q_block=q_block, kv_block=kv_block, **local)
+    out.backward(shard(dout, 2, rank, world, pad_value=5.0))
+    assert out.dtype == dtype and qs.grad.dtype == ks.grad.dtype == vs.grad.dtype == dtype
+    return {"out": out.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
+
+
+def _worker(rank, world, port, out_dir):
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        results = {name: _run_case(name, rank, world, zigzag_shard) for name in CASES}
+        results["wrong_layout"] = _run_case(WRONG_LAYOUT, rank, world, _contiguous_shard)
+        results["bf16"] = _run_case(SUBGROUP_CASE, rank, world, zigzag_shard, dtype=torch.bfloat16)
+        if world == 4:  # two rings of 2 in one world: group ranks are not global ranks (0, 2 and 1, 3)
+            groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            results["subgroup"] = _run_case(SUBGROUP_CASE, rank // 2, 2, zigzag_shard, group=groups[rank % 2])
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_RESULTS = {}
+
+
+@pytest.fixture(scope="module")
+def ring_results(tmp_path_factory):
+    """world -> {case -> {key -> [shard per rank]}}, spawning each world size once (lazily)."""
+    def get(world):
+        if world not in _RESULTS:
+            out_dir = str(tmp_path_factory.mktemp(f"ring{world}"))
+            ctx = mp.get_context("spawn")
+            port = _free_port()
+            procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir)) for r in range(world)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout=240)
+            hung = [p for p in procs if p.is_alive()]
+            for p in hung:
+                p.kill()
+                p.join()
+            errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
+            assert not hung and not errors and all(p.exitcode == 0 for p in procs), \
+                f"ring workers failed (hung: {len(hung)}):\n" + "\n".join(errors)
+            per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+            _RESULTS[world] = {name: {key: [res[name][key] for res in per_rank] for key in per_rank[0][name]}
+                               for name in per_rank[0]}
+        return _RESULTS[world]
+
+    return get
+
+
+_REFERENCE = {}
+
+
+def _reference(name):
+    if name not in _REFERENCE:
+        q, k, v, dout, options, _ = _inputs(name)
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        out = blockwise_attention(q, k, v, **options)
+        out.backward(dout)
+        _REFERENCE[name] = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return _REFERENCE[name]
+
+
+def _errors(got_shards, ref_name, n):
+    ref = _reference(ref_name)
+    errors = {}
+    for key, want in ref.items():
+        got = zigzag_unshard(got_shards[key], 2, seq_len=n).float()
+        errors[key] = ((got - want).abs().max() / want.abs().max()).item()
+    return errors
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_ring_matches_blockwise(ring_results, world, name):
+    n = CASES[name][0]
+    shards = ring_results(world)[name]
+    for key, got in shards.items():  # rows past N: exact zeros (outputs, and gradients of pad tokens)
+        assert not zigzag_unshard(got, 2)[:, :, n:].any(), key
+    errors = _errors(shards, name, n)
+    print(f"W={world} {name}: " + " ".join(f"{key}={err:.1e}" for key, err in errors.items()))
+    assert errors["out"] <= OUT_TOL, errors
+    for key in ("dq", "dk", "dv"):
+        assert errors[key] <= GRAD_TOL, errors
+
+
+def test_ring_on_subgroups(ring_results):
+    """group= a subgroup: the ring's neighbours are the group's ranks 0, 2 (and 1, 3), not global ranks."""
+    results = ring_results(4)["subgroup"]
+    for members in ((0, 2), (1, 3)):
+        errors = _errors({key: [shards[r] for r in members] for key, shards in results.items()}, SUBGROUP_CASE,
+                         CASES[SUBGROUP_CASE][0])
+        assert errors["out"] <= OUT_TOL and max(errors.values()) <= GRAD_TOL, (members, errors)
+
+
+@pytest.mark.parametrize("world", WORLDS[1:])
+def test_bf16_no_worse_than_one_device(ring_results, world):
+    """bf16 inputs: error vs the fp32 reference about that of single-device blockwise_attention in bf16."""
+    q, k, v, dout, options, n = _inputs(SUBGROUP_CASE)
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    out = blockwise_attention(q, k, v, **options)
+    out.backward(dout.to(torch.bfloat16))
+    ref = _reference(SUBGROUP_CASE)
+    one_device = {key: ((got.float() - ref[key]).abs().max() / ref[key].abs().max()).item()
+                  for key, got in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+    ring = _errors(ring_results(world)["bf16"], SUBGROUP_CASE, n)
+    print(f"bf16 W={world} ring {ring} one device {one_device}")
+    for key in ring:
+        assert ring[key] <= 1.5 * one_device[key] + 1e-3, (key, ring, one_device)
+
+
+@pytest.mark.parametrize("world", WORLDS[1:])
+def test_wrong_layout_fails(ring_results, world):
+    """Sanity of the harness: a contiguous split fed to ring_attention gives a wrong answer."""
+    errors = _errors(ring_results(world)["wrong_layout"], WRONG_LAYOUT, CASES[WRONG_LAYOUT][0])
+    assert errors["out"] > 1e-2, errors
+
+
+@pytest.mark.parametrize("n", [1, 5, 37, 48])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_zigzag_roundtrip_and_positions(n, world):
+    x = torch.arange(n).view(1, n).expand(3, n) + 100
+    shards = [zigzag_shard(x, 1, r, world, pad_value=-1) for r in range(world)]
+    c = math.ceil(n / (2 * world))
+    assert all(s.shape == (3, 2 * c) for s in shards)
+    assert torch.equal(zigzag_unshard(shards, 1, seq_len=n), x)
+    for r, s in enumerate(shards):
+        pos = zigzag_positions(2 * c, r, world)
+        assert torch.equal(s[0], torch.where(pos < n, pos + 100, -1))
+        assert pos.tolist() == list(range(r * c, r * c + c)) + list(range((2 * world - 1 - r) * c, (2 * world - r) * c))
+
+
+@pytest.mark.parametrize("option", [{"key_bias": torch.zeros(1, 2, 4)}, {"sinks": torch.zeros(2)},
+                                    {"dropout": 0.1}])
+def test_unsupported_options_raise(option):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=next(iter(option))):
+        ring_attention(q, q, q, **option)
+
+
+def test_odd_local_length_raises():
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="even length"):
+        ring_attention(q, q, q)
