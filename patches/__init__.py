@@ -2,5 +2,8 @@
 `apply_bpt_patch`."""
 from patches.apply import BPTPatchHandle, apply_bpt_patch, check_supported, is_patched
 from patches.families import FAMILIES, UnsupportedModelError
+from patches.sequence_parallel import (SequenceParallelContext, group_loss, reduce_gradients, sequence_parallel,
+                                       shard_batch)
 
-__all__ = ["apply_bpt_patch", "is_patched", "check_supported", "BPTPatchHandle", "UnsupportedModelError", "FAMILIES"]
+__all__ = ["apply_bpt_patch", "is_patched", "check_supported", "BPTPatchHandle", "UnsupportedModelError", "FAMILIES",
+           "SequenceParallelContext", "shard_batch", "sequence_parallel", "reduce_gradients", "group_loss"]

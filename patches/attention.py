@@ -9,6 +9,8 @@ from patches.masks import BlockMaskInputs
 
 ATTN_IMPLEMENTATION = "bpt"
 CONFIG_ATTR = "bpt_config"  # set on each patched attention module by apply_bpt_patch
+# set (and restored) on each patched attention module by patches.sequence_parallel.sequence_parallel
+SEQUENCE_PARALLEL_ATTR = "bpt_sequence_parallel"
 
 
 def attention_options(module: torch.nn.Module) -> BPTConfig:
@@ -39,6 +41,14 @@ def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, sca
     key, value = mask.keys_in_use(key), mask.keys_in_use(value)
     if key_bias is not None:
         key_bias = mask.keys_in_use(key_bias, dim=-1)
+    sequence_parallel = getattr(module, SEQUENCE_PARALLEL_ATTR, None)
+    if sequence_parallel is not None:
+        # The sequence is split over a group: padding / segments are the context's (global), not the local
+        # mask's; the window is the layer's own (per layer type).
+        return sequence_parallel.attention(
+            module, query, key, value, causal=getattr(module, "is_causal", True), scaling=scaling, softcap=softcap,
+            sliding_window=mask.sliding_window, alibi_slopes=alibi_slopes, key_bias=key_bias, sinks=sinks,
+            dropout=dropout, q_block=options.q_block, kv_block=options.kv_block, compile=options.compile)
     return blockwise_attention(
         query, key, value,
         scale=scaling,

@@ -4,15 +4,12 @@ One spawn per world size (2, 3, 4) runs every case in a loop; each rank saves it
 and the parent unshards them and compares with blockwise_attention on the unsharded tensors.
 """
 import math
-import os
-import socket
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from bpt.attention import blockwise_attention
+from gloo_processes import run_on_ranks
 from bpt.sequence_parallel.ring import ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -95,31 +92,16 @@ def _run_case(name, rank, world, shard, group=None, dtype=torch.float32):
     return {"out": out.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
 
 
-def _worker(rank, world, port, out_dir):
-    try:
-        torch.set_num_threads(1)
-        import torch.distributed as dist
+def _worker(rank, world):
+    import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        results = {name: _run_case(name, rank, world, zigzag_shard) for name in CASES}
-        results["wrong_layout"] = _run_case(WRONG_LAYOUT, rank, world, _contiguous_shard)
-        results["bf16"] = _run_case(SUBGROUP_CASE, rank, world, zigzag_shard, dtype=torch.bfloat16)
-        if world == 4:  # two rings of 2 in one world: group ranks are not global ranks (0, 2 and 1, 3)
-            groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-            results["subgroup"] = _run_case(SUBGROUP_CASE, rank // 2, 2, zigzag_shard, group=groups[rank % 2])
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    results = {name: _run_case(name, rank, world, zigzag_shard) for name in CASES}
+    results["wrong_layout"] = _run_case(WRONG_LAYOUT, rank, world, _contiguous_shard)
+    results["bf16"] = _run_case(SUBGROUP_CASE, rank, world, zigzag_shard, dtype=torch.bfloat16)
+    if world == 4:  # two rings of 2 in one world: group ranks are not global ranks (0, 2 and 1, 3)
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        results["subgroup"] = _run_case(SUBGROUP_CASE, rank // 2, 2, zigzag_shard, group=groups[rank % 2])
+    return results
 
 
 _RESULTS = {}
@@ -131,21 +113,7 @@ def ring_results(tmp_path_factory):
     def get(world):
         if world not in _RESULTS:
             out_dir = str(tmp_path_factory.mktemp(f"ring{world}"))
-            ctx = mp.get_context("spawn")
-            port = _free_port()
-            procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir)) for r in range(world)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=240)
-            hung = [p for p in procs if p.is_alive()]
-            for p in hung:
-                p.kill()
-                p.join()
-            errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
-            assert not hung and not errors and all(p.exitcode == 0 for p in procs), \
-                f"ring workers failed (hung: {len(hung)}):\n" + "\n".join(errors)
-            per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+            per_rank = run_on_ranks(_worker, world, out_dir)
             _RESULTS[world] = {name: {key: [res[name][key] for res in per_rank] for key in per_rank[0][name]}
                                for name in per_rank[0]}
         return _RESULTS[world]

@@ -3,15 +3,12 @@
 One spawn per world size (2, 4) runs every case in a loop; each rank saves its output / gradient shards and the
 parent unshards them and compares with blockwise_attention on the unsharded tensors.
 """
-import os
-import socket
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from bpt.attention import blockwise_attention
+from gloo_processes import run_on_ranks
 from bpt.sequence_parallel.ulysses import (kv_head_ranges, sequence_positions, sequence_shard, sequence_unshard,
                          ulysses_attention)
 
@@ -98,34 +95,19 @@ def _run_case(name, rank, world, shard, group=None):
     return result
 
 
-def _worker(rank, world, port, out_dir):
-    try:
-        torch.set_num_threads(1)
-        import torch.distributed as dist
+def _worker(rank, world):
+    import torch.distributed as dist
 
-        from bpt.sequence_parallel.ulysses import gather_sequence
+    from bpt.sequence_parallel.ulysses import gather_sequence
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        results = {name: _run_case(name, rank, world, sequence_shard) for name in CASES}
-        results["wrong_layout"] = _run_case(WRONG_LAYOUT, rank, world, _reversed_shard)
-        mask = _inputs("padding")[4]["padding_mask"]  # bool: gloo gathers it as uint8
-        results["gather"] = {"mask": gather_sequence(sequence_shard(mask, 1, rank, world), 1, seq_len=45)}
-        if world == 4:  # two groups of 2 in one world: group ranks are not global ranks (0, 2 and 1, 3)
-            groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-            results["subgroup"] = _run_case(SUBGROUP_CASE, rank // 2, 2, sequence_shard, group=groups[rank % 2])
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    results = {name: _run_case(name, rank, world, sequence_shard) for name in CASES}
+    results["wrong_layout"] = _run_case(WRONG_LAYOUT, rank, world, _reversed_shard)
+    mask = _inputs("padding")[4]["padding_mask"]  # bool: gloo gathers it as uint8
+    results["gather"] = {"mask": gather_sequence(sequence_shard(mask, 1, rank, world), 1, seq_len=45)}
+    if world == 4:  # two groups of 2 in one world: group ranks are not global ranks (0, 2 and 1, 3)
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        results["subgroup"] = _run_case(SUBGROUP_CASE, rank // 2, 2, sequence_shard, group=groups[rank % 2])
+    return results
 
 
 _RESULTS = {}
@@ -137,21 +119,7 @@ def ulysses_results(tmp_path_factory):
     def get(world):
         if world not in _RESULTS:
             out_dir = str(tmp_path_factory.mktemp(f"ulysses{world}"))
-            ctx = mp.get_context("spawn")
-            port = _free_port()
-            procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir)) for r in range(world)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=240)
-            hung = [p for p in procs if p.is_alive()]
-            for p in hung:
-                p.kill()
-                p.join()
-            errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.endswith(".err")]
-            assert not hung and not errors and all(p.exitcode == 0 for p in procs), \
-                f"ulysses workers failed (hung: {len(hung)}):\n" + "\n".join(errors)
-            per_rank = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+            per_rank = run_on_ranks(_worker, world, out_dir)
             _RESULTS[world] = {name: {key: [res[name][key] for res in per_rank] for key in per_rank[0][name]}
                                for name in per_rank[0]}
         return _RESULTS[world]
