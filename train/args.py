@@ -117,6 +117,11 @@ class TrainArguments:
                       choices=("adamw", "paged_adamw_8bit"))
     max_grad_norm: float = _opt(1.0, "Gradient clipping norm; 0 disables clipping.")
     gradient_checkpointing: bool = _opt(True, "Recompute layer activations in backward (use_reentrant=False).")
+    sequence_parallel: int = _opt(
+        1, "Split every sequence over N processes (of those accelerate launch starts; data parallel over the "
+        "groups). Needs the patch; the number of processes must be a multiple of N.")
+    sp_mode: str = _opt("ring", "Sequence-parallel attention: ring (any head count; not ALiBi-bias families or "
+                        "attention sinks) or ulysses (query heads must divide by N).", choices=("ring", "ulysses"))
     seed: int = _opt(42, "Seed for LoRA init, data order and dropout.")
     torch_threads: int | None = _opt(
         None, "CPU threads per process for torch ops (torch.set_num_threads); default: torch's own. 1 is fastest "
@@ -319,7 +324,7 @@ def validate(args: Args) -> None:
     """Value checks argparse cannot express; raises UserError naming the flag."""
     args.lora_target_modules = _split_commas(args.lora_target_modules)
     positive = ["max_seq_len", "per_device_train_batch_size", "gradient_accumulation_steps", "lora_r",
-                "logging_steps", "passkey_samples", "eval_trials"]
+                "logging_steps", "passkey_samples", "eval_trials", "sequence_parallel"]
     for name in positive:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")

@@ -30,7 +30,7 @@ STATE_FILE = "trainer_state.json"
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt",
                   "rng_state.pt", STATE_FILE)
 # Args that decide which rows each step sees: resuming with different values would not continue the run.
-DATA_ORDER_ARGS = ("seed", "per_device_train_batch_size", "dataset", "max_seq_len", "packing")
+DATA_ORDER_ARGS = ("seed", "per_device_train_batch_size", "dataset", "max_seq_len", "packing", "sequence_parallel")
 
 
 def list_checkpoints(output_dir: str) -> list[str]:

@@ -43,6 +43,7 @@ from train import checkpoint
 from train.args import TINY_LLAMA_DIR, Args, parse_args
 from train.errors import UserError
 from train.lifecycle import SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise
+from train.parallel import Layout, make_layout
 
 METRICS_FILE = "metrics.jsonl"
 RUN_INFO_FILE = "run_info.json"  # written last: its presence means the run finished
@@ -131,6 +132,7 @@ def preflight(args: Args) -> Preflight:
     """Every check that needs no weights, in the order a user would fix them. Raises UserError."""
     from train.data import check_source
     from train.model import apply_rope_scaling, check_bpt_support, check_packing, load_config, load_tokenizer
+    from train.parallel import check_layout
 
     check_tracker(args.report_to)
     check_output_dir(args)
@@ -144,6 +146,7 @@ def preflight(args: Args) -> Preflight:
     if args.bpt:
         check_bpt_support(config)
     check_packing(config, args.packing)
+    check_layout(args)
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     return Preflight(config, tokenizer, rope_factor, resume_path)
@@ -319,24 +322,35 @@ def _tokens(batch: dict) -> torch.Tensor:
     return mask.sum() if mask is not None else torch.tensor(batch["input_ids"].numel())
 
 
-def train_step(model, group: list[dict], optimizer, scheduler, accelerator, args: Args, step: int):
+def train_step(model, group: list[dict], optimizer, scheduler, accelerator, args: Args, step: int, layout: Layout):
     """One optimizer step over the micro-batches in `group`. Returns (loss, tokens, grad_norm).
 
     Each micro-batch loss is its summed token loss / the step's target count over all ranks
     (num_items_in_batch), so the accumulated gradient is that of the step's mean token loss, whatever
-    the padding or micro-batch sizes. Raises TrainingDiverged before touching the weights.
+    the padding or micro-batch sizes. Under sequence parallelism every rank of a group holds the same rows
+    (counted once) and computes the token losses of its shard of them. Raises TrainingDiverged before
+    touching the weights.
     """
+    from patches import sequence_parallel, shard_batch
+
     device = accelerator.device
-    n_items = accelerator.reduce(sum(_targets(b) for b in group).to(device), "sum").clamp(min=1)
-    tokens = accelerator.reduce(sum(_tokens(b) for b in group).to(device), "sum")
+    copies = layout.sequence_parallel  # ranks holding each row
+    n_items = (accelerator.reduce(sum(_targets(b) for b in group).to(device), "sum") // copies).clamp(min=1)
+    tokens = accelerator.reduce(sum(_tokens(b) for b in group).to(device), "sum") // copies
     total = torch.zeros((), device=device)
     for i, micro in enumerate(group):
         micro = {k: v.to(device) for k, v in micro.items()}
+        split = contextlib.nullcontext()
+        if copies > 1:  # this rank's shard of every sequence; the attention runs over the group
+            micro, context = shard_batch(micro, layout.group, layout.mode)
+            split = sequence_parallel(accelerator.unwrap_model(model), context)
+        micro["num_items_in_batch"] = n_items
         # Gradients are all-reduced only on the step's last micro-batch.
         sync = contextlib.nullcontext() if i == len(group) - 1 else accelerator.no_sync(model)
-        with sync:
-            loss = model(**micro, num_items_in_batch=n_items).loss
-            # DDP averages gradients over ranks; the normalisation above already is global.
+        with sync, split:  # backward inside: gradient checkpointing recomputes the attention there
+            loss = model(**micro).loss
+            # DDP averages gradients over ranks; the normalisation above already is global (the ranks' losses
+            # sum to the step's mean token loss).
             accelerator.backward(loss * accelerator.num_processes)
         total += loss.detach().float()
     loss = accelerator.reduce(total, "sum").item()
@@ -415,22 +429,22 @@ def stop_requested(accelerator) -> int | None:
     return requested or None
 
 
-def train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args: Args, *, start_step: int,
-               position: tuple[int, int], steps: int, last_checkpoint: str | None) -> list[float]:
+def train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args: Args, *, layout: Layout,
+               start_step: int, position: tuple[int, int], steps: int, last_checkpoint: str | None) -> list[float]:
     """Optimizer steps start_step+1 .. steps. On SIGINT/SIGTERM: finish the step, save, raise Interrupted."""
     with SIGNALS.mode(graceful=True):
-        return _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, start_step=start_step,
-                           position=position, steps=steps, last_checkpoint=last_checkpoint)
+        return _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, layout=layout,
+                           start_step=start_step, position=position, steps=steps, last_checkpoint=last_checkpoint)
 
 
-def _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args: Args, *, start_step: int,
-                position: tuple[int, int], steps: int, last_checkpoint: str | None) -> list[float]:
+def _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args: Args, *, layout: Layout,
+                start_step: int, position: tuple[int, int], steps: int, last_checkpoint: str | None) -> list[float]:
     from tqdm.auto import tqdm
 
     from train.data import Collator
 
-    groups = step_groups(dataset, Collator(tokenizer.pad_token_id), args, rank=accelerator.process_index,
-                         world_size=accelerator.num_processes, epoch=position[0], batch=position[1])
+    groups = step_groups(dataset, Collator(tokenizer.pad_token_id), args, rank=layout.data_rank,
+                         world_size=layout.data_world, epoch=position[0], batch=position[1])
     metrics = MetricsLog(args, accelerator, start_step)
     bar = tqdm(total=steps, initial=start_step, desc="train", dynamic_ncols=True,
                disable=not accelerator.is_local_main_process)
@@ -444,7 +458,8 @@ def _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, ar
             lr = scheduler.get_last_lr()[0]
             started = time.perf_counter()
             try:
-                loss, tokens, grad_norm = train_step(model, group, optimizer, scheduler, accelerator, args, step)
+                loss, tokens, grad_norm = train_step(model, group, optimizer, scheduler, accelerator, args, step,
+                                                     layout)
             except TrainingDiverged as error:
                 keep = (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
                         else "no checkpoint was written")
@@ -544,7 +559,8 @@ def run(args: Args) -> RunResult:
     dataset = on_main(accelerator, lambda: load_data(args, tokenizer))
     if not main_process:
         dataset = load_data(args, tokenizer, main_process=False)
-    steps = total_steps(len(dataset), args, accelerator.num_processes)
+    layout = make_layout(accelerator, args)
+    steps = total_steps(len(dataset), args, layout.data_world)
 
     set_seed(args.seed)
     model, _handle = build_model(args, plan.config, accelerator.device)
@@ -554,7 +570,9 @@ def run(args: Args) -> RunResult:
     if main_process:
         print(f"trainable parameters: {sum(p.numel() for p in model.parameters() if p.requires_grad):,}; "
               f"{len(dataset)} rows of {args.max_seq_len} tokens; {steps} steps on {accelerator.num_processes} "
-              f"process(es)" + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else ""),
+              f"process(es)" + (f"; sequences split {layout.sequence_parallel} ways ({layout.mode})"
+                                 if layout.sequence_parallel > 1 else "")
+              + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else ""),
               file=sys.stderr)
     os.makedirs(args.output_dir, exist_ok=True)
     start_step, position = start_position(accelerator, args, plan.resume_path, model, optimizer, scheduler)
@@ -566,8 +584,8 @@ def run(args: Args) -> RunResult:
     if args.eval_passkey and "before" not in evals:
         evals["before"] = _evaluate(accelerator, model, tokenizer, args, "before", eval_path, evals, start_step)
 
-    losses = train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, start_step=start_step,
-                        position=position, steps=steps, last_checkpoint=plan.resume_path)
+    losses = train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, layout=layout,
+                        start_step=start_step, position=position, steps=steps, last_checkpoint=plan.resume_path)
     trained = accelerator.unwrap_model(model)
     if main_process:
         trained.save_pretrained(args.output_dir)

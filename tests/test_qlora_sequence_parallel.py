@@ -1,0 +1,51 @@
+"""`python -m train.qlora --sequence_parallel N` under `accelerate launch` (CPU processes over gloo): each sequence
+split over the processes, per-step losses equal to one process training the same rows; bad layouts refused."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cli_helpers import ENV, REPO, base_argv, losses, metrics
+from train.args import parse_args
+from train.qlora import main, run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Packed 64-token rows (documents restart their positions inside a row), two rows per step, no dropout.
+COMMON = ("--max_steps", 2, "--per_device_train_batch_size", 2, "--lora_dropout", 0)
+
+
+def _launch(tiny, out, *extra) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "2", "-m", "train.qlora",
+           *base_argv(tiny, out, *COMMON, "--save_steps", 2, *extra)]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("mode,bits", [("ring", 4), ("ulysses", 16)])
+def test_two_processes_split_each_sequence_and_match_one_process(tiny, tmp_path, mode, bits):
+    one = tmp_path / "one"
+    run(parse_args(base_argv(tiny, one, *COMMON, "--bits", bits)))
+    two = tmp_path / "two"
+    done = _launch(tiny, two, "--bits", bits, "--sequence_parallel", 2, "--sp_mode", mode)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"sequences split 2 ways ({mode})" in done.stderr
+    assert [m["step"] for m in metrics(two)] == [1, 2]  # one writer
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    assert [m["tokens"] for m in metrics(two)] == [m["tokens"] for m in metrics(one)]  # each row counted once
+    assert (two / "checkpoint-2").is_dir() and (two / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--sequence_parallel", 2), "error: --sequence_parallel 2 must divide the number of processes (1); launch a "
+                                 "multiple of 2 processes with accelerate launch --num_processes"),
+    (("--sequence_parallel", 2, "--no_bpt"), "error: --sequence_parallel needs the blockwise patch (drop --no_bpt)"),
+    (("--sequence_parallel", 0), "error: --sequence_parallel must be a positive integer, got 0"),
+])
+def test_a_layout_that_cannot_split_is_refused_before_loading(tiny, tmp_path, capsys, extra, message):
+    assert main(base_argv(tiny, tmp_path / "run", *extra)) == 2
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == message
