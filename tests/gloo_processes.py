@@ -50,3 +50,22 @@ def run_on_ranks(run, world: int, out_dir: str, timeout: float = 240) -> list:
     assert not hung and not errors and all(p.exitcode == 0 for p in procs), \
         f"{getattr(run, '__name__', run)} failed on some rank (hung: {len(hung)}):\n" + "\n".join(errors)
     return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(world)]
+
+
+def by_case(per_rank: list[dict]) -> dict:
+    """[{case: {key: value}} per rank] -> {case: {key: [value per rank]}}."""
+    return {case: {key: [result[case][key] for result in per_rank] for key in per_rank[0][case]}
+            for case in per_rank[0]}
+
+
+def results_per_world(run, tmp_path_factory, name: str):
+    """A function world -> by_case(run on that many ranks), spawning each world size once, when first asked."""
+    cache = {}
+
+    def get(world: int) -> dict:
+        if world not in cache:
+            out_dir = str(tmp_path_factory.mktemp(f"{name}{world}"))
+            cache[world] = by_case(run_on_ranks(run, world, out_dir))
+        return cache[world]
+
+    return get

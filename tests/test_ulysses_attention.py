@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from bpt.attention import blockwise_attention
-from gloo_processes import run_on_ranks
+from attention_cases import case_inputs
+from gloo_processes import results_per_world
 from bpt.sequence_parallel.ulysses import (kv_head_ranges, sequence_positions, sequence_shard, sequence_unshard,
                          ulysses_attention)
 
@@ -46,31 +47,7 @@ SUBGROUP_CASE = "everything_mqa"  # also run on process subgroups (world 4 = two
 
 def _inputs(name):
     """Deterministic global inputs of a case: (q, k, v, dout, options with tensors, N)."""
-    n, hq, hkv, options, _, _ = CASES[name]
-    gen = torch.Generator().manual_seed(sorted(CASES).index(name) + 1)
-    b, d = 2, 8
-    q = torch.randn(b, hq, n, d, generator=gen)
-    k = torch.randn(b, hkv, n, d, generator=gen)
-    v = torch.randn(b, hkv, n, d, generator=gen)
-    dout = torch.randn(b, hq, n, d, generator=gen)
-    options = dict(options)
-    if options.get("padding_mask") == "padding":
-        mask = torch.rand(b, n, generator=gen) > 0.3
-        mask[0, :6] = False  # left padding: the first queries see no key (zero rows) under causal
-        mask[1, n - 9:] = False  # right padding
-        options["padding_mask"] = mask
-    if options.get("segment_ids") == "segments":
-        starts = torch.zeros(b, n, dtype=torch.long)
-        starts[0, [5, 6, 17, 30]] = 1  # a one-token document, documents across shards
-        starts[1, torch.randperm(n - 1, generator=gen)[:6] + 1] = 1
-        options["segment_ids"] = starts.cumsum(1)
-    if options.get("alibi_slopes") == "alibi":
-        options["alibi_slopes"] = torch.tensor([2.0 ** (-8 * (h + 1) / hq) for h in range(hq)])
-    if options.get("sinks") == "sinks":
-        options["sinks"] = torch.randn(hq, generator=gen)
-    if options.get("key_bias") == "key_bias":
-        options["key_bias"] = torch.randn(b, hq, n, generator=gen)
-    return q, k, v, dout, options, n
+    return case_inputs(CASES[name], seed=sorted(CASES).index(name) + 1)
 
 
 def _reversed_shard(x, dim, rank, world, pad_value=0):
@@ -110,21 +87,10 @@ def _worker(rank, world):
     return results
 
 
-_RESULTS = {}
-
-
 @pytest.fixture(scope="module")
 def ulysses_results(tmp_path_factory):
     """world -> {case -> {key -> [result per rank]}}, spawning each world size once (lazily)."""
-    def get(world):
-        if world not in _RESULTS:
-            out_dir = str(tmp_path_factory.mktemp(f"ulysses{world}"))
-            per_rank = run_on_ranks(_worker, world, out_dir)
-            _RESULTS[world] = {name: {key: [res[name][key] for res in per_rank] for key in per_rank[0][name]}
-                               for name in per_rank[0]}
-        return _RESULTS[world]
-
-    return get
+    return results_per_world(_worker, tmp_path_factory, "ulysses")
 
 
 _REFERENCE = {}
