@@ -17,11 +17,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 COMMON = ("--max_steps", 2, "--per_device_train_batch_size", 2, "--lora_dropout", 0)
 
 
-def _launch(tiny, out, *extra) -> subprocess.CompletedProcess:
+def _launch(tiny, out, *extra, processes: int = 2) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "2", "-m", "train.qlora",
+           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", str(processes), "-m", "train.qlora",
            *base_argv(tiny, out, *COMMON, "--save_steps", 2, *extra)]
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
 
 
 @pytest.mark.parametrize("mode,bits", [("ring", 4), ("ulysses", 16)])
@@ -36,6 +36,19 @@ def test_two_processes_split_each_sequence_and_match_one_process(tiny, tmp_path,
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)
     assert [m["tokens"] for m in metrics(two)] == [m["tokens"] for m in metrics(one)]  # each row counted once
     assert (two / "checkpoint-2").is_dir() and (two / "adapter_model.safetensors").exists()
+
+
+def test_four_processes_as_two_sequence_parallel_groups_match_one_process(tiny, tmp_path):
+    """SP 2 x DP 2: groups (0, 1) and (2, 3) each split one row per step; together the step's two rows, as one
+    process with a batch of two."""
+    one = tmp_path / "one"
+    run(parse_args(base_argv(tiny, one, *COMMON)))
+    four = tmp_path / "four"
+    done = _launch(tiny, four, "--per_device_train_batch_size", 1, "--sequence_parallel", 2, processes=4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "on 4 process(es); sequences split 2 ways (ring)" in done.stderr
+    assert losses(four) == pytest.approx(losses(one), rel=1e-5)
+    assert [m["tokens"] for m in metrics(four)] == [m["tokens"] for m in metrics(one)]
 
 
 @pytest.mark.parametrize("extra,message", [
