@@ -81,6 +81,15 @@ class _Spec:
     dropout: float = 0.0
     dropout_seed: int = 0
 
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, *, scale, causal, sliding_window, softcap, q_block, kv_block, compile,
+           offset: int, **dropout) -> "_Spec":
+        """The spec of a call on q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (validated inputs); scale None = 1 / sqrt(D)."""
+        return cls(scale=float(q.shape[-1] ** -0.5 if scale is None else scale), causal=bool(causal),
+                   window=sliding_window, softcap=None if softcap is None else float(softcap), q_block=q_block,
+                   kv_block=kv_block, offset=offset, acc_dtype=torch.promote_types(q.dtype, torch.float32),
+                   groups=q.shape[1] // k.shape[1], use_compile=should_compile(compile, q), **dropout)
+
 
 @dataclass(frozen=True)
 class _KVBlock:
@@ -330,11 +339,9 @@ def _blockwise(q, k, v, *, scale, causal, padding_mask, segment_ids, sliding_win
     """The blockwise path, always (no fused-kernel dispatch). Inputs already validated."""
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    spec = _Spec(scale=float(scale), causal=bool(causal), window=sliding_window,
-                 softcap=None if softcap is None else float(softcap), q_block=q_block, kv_block=kv_block,
-                 offset=nk - nq, acc_dtype=torch.promote_types(q.dtype, torch.float32),
-                 groups=hq // hkv, use_compile=should_compile(compile, q), dropout=dropout,
-                 dropout_seed=dropout_seed)
+    spec = _Spec.of(q, k, scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
+                    q_block=q_block, kv_block=kv_block, compile=compile, offset=nk - nq, dropout=dropout,
+                    dropout_seed=dropout_seed)
     if padding_mask is not None and padding_mask.dtype != torch.bool:
         padding_mask = padding_mask != 0
     if alibi_slopes is not None:

@@ -171,10 +171,9 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     base = getattr(hf_model, family.base)
     patched_attention = 0
     for layer in getattr(base, family.layers):
-        # A hybrid row's recurrent layers have no attention module (absent or None): left stock (Family.hybrid).
-        # Any other row raises AttributeError below, as a wrong attribute name should.
-        if not (family.hybrid and getattr(layer, family.attention, None) is None):
-            attention = getattr(layer, family.attention)
+        # A hybrid row's recurrent layers have no attention module: left stock (Family.attention_of).
+        attention = family.attention_of(layer)
+        if attention is not None or not family.hybrid:
             handle.set(attention, CONFIG_ATTR, config)
             if family.bound_attention:
                 handle.set(attention, "forward", BINDERS[family.bound_attention](attention))

@@ -35,6 +35,11 @@ class Family:
     # (--no_packing). tests/test_packing.py checks every row against stock's behaviour.
     packing: bool = True
 
+    def attention_of(self, layer):
+        """The decoder layer's attention module; None for a hybrid row's recurrent layer (no attention attribute,
+        or None there). Any other row reads the attribute strictly: a wrong name raises AttributeError."""
+        return getattr(layer, self.attention, None) if self.hybrid else getattr(layer, self.attention)
+
 
 LLAMA_LIKE = Family()
 

@@ -87,9 +87,7 @@ def _built(config, family) -> tuple[bool, bool]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     layers = getattr(getattr(model, family.base), family.layers)
-    # A hybrid row's recurrent layers have no attention module (None); any other row must have one in every layer.
-    attentions = [getattr(layer, family.attention, None) if family.hybrid else getattr(layer, family.attention)
-                  for layer in layers]
+    attentions = [family.attention_of(layer) for layer in layers]  # None: a hybrid row's recurrent layer
     sinks = any(name.split(".")[-1] == "sinks" for attention in attentions if attention is not None
                 for name, _ in attention.named_parameters())
     experts = any(name.split(".")[-1] == "experts" for layer in layers for name, _ in layer.named_modules())

@@ -39,7 +39,6 @@ from torch.autograd.function import once_differentiable
 from bpt.attention import (_MAX_INIT, _autocast_inputs, _autocast_off, _finish_rows, _forward_step,
                            _backward_step, _make_plan, _mask_args, _rows, _scaled_rows, _Spec, _validate,
                            _Workspace)
-from bpt.compile import should_compile
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions"]
 
@@ -153,10 +152,8 @@ def ring_attention(
     ring.seq_len = seq_len
     b, hq = q.shape[:2]
     hkv = k.shape[1]
-    spec = _Spec(scale=float(q.shape[-1] ** -0.5 if scale is None else scale), causal=bool(causal),
-                 window=sliding_window, softcap=None if softcap is None else float(softcap), q_block=q_block,
-                 kv_block=kv_block, offset=0, acc_dtype=torch.promote_types(q.dtype, torch.float32),
-                 groups=hq // hkv, use_compile=should_compile(compile, q))
+    spec = _Spec.of(q, k, scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
+                    q_block=q_block, kv_block=kv_block, compile=compile, offset=0)
     # key-side mask [B, n] (True = real key): the padding mask and the true length, or None
     key_mask = None if padding_mask is None else padding_mask != 0
     if seq_len < padded:
