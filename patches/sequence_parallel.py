@@ -35,8 +35,9 @@ apply_bpt_patch, optionally LoRA-wrapped before patching)::
   ranks) multiply by the sp group size W: DDP's mean over dp*W ranks of W * (rank share) = the mean over the dp
   replicas of the summed sequence gradient (follows from the same algebra; not tested here).
 
-Limits (raise ValueError): ring attention cannot do key_bias (Bloom / Falcon ALiBi bias), attention sinks or
-attention dropout; ulysses cannot do dropout, nor a query head count that does not divide by the group size.
+Limits (raise ValueError): neither mode can do the per-key ALiBi bias of Bloom, MPT and Falcon-with-ALiBi (the model
+computes it from the shard's own positions; `uses_per_key_bias(config)` tells in advance), nor attention dropout;
+ring cannot do attention sinks; ulysses cannot do a query head count that does not divide by the group size.
 """
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ from patches.attention import CONFIG_ATTR, SEQUENCE_PARALLEL_ATTR
 __all__ = ["SequenceParallelContext", "shard_batch", "sequence_parallel", "reduce_gradients", "group_loss"]
 
 MODES = ("ring", "ulysses")
+# Bloom, MPT and Falcon with ALiBi hand each layer a bias tensor the model computed from the positions IT sees: on a
+# shard those restart at 0, and a per-key bias cannot be re-based without knowing how it was made.
+PER_KEY_BIAS_REASON = ("the model computes it from the positions of this rank's shard, not the whole sequence's; "
+                       "train such models with one sequence per process")
+
+
+def uses_per_key_bias(config) -> bool:
+    """Whether a model of `config` hands its attention a per-key ALiBi bias (Bloom, MPT, Falcon with alibi)."""
+    return config.model_type in ("bloom", "mpt") or (config.model_type == "falcon" and bool(getattr(config, "alibi", False)))
 IGNORE_INDEX = -100
 
 
@@ -76,12 +86,11 @@ class SequenceParallelContext:
                   key_bias, sinks, dropout, q_block, kv_block, compile):
         """q [B, Hq, n, D], k / v [B, Hkv, n, D]: this rank's shard -> its output shard [B, Hq, n, D]."""
         name = type(module).__name__
-        if self.mode == "ring":
-            for option, unsupported in (("key_bias (ALiBi passed as a per-key bias)", key_bias is not None),
-                                        ("attention sinks", sinks is not None)):
-                if unsupported:
-                    raise ValueError(f"sequence-parallel mode 'ring' cannot do {option} ({name}); use mode "
-                                     "'ulysses' for this model")
+        if key_bias is not None:
+            raise ValueError(f"sequence parallelism cannot do {name}'s per-key ALiBi bias: {PER_KEY_BIAS_REASON}")
+        if self.mode == "ring" and sinks is not None:
+            raise ValueError(f"sequence-parallel mode 'ring' cannot do attention sinks ({name}); use mode 'ulysses' "
+                             "for this model")
         if dropout:
             raise ValueError(f"sequence parallelism ({self.mode!r}, and 'ulysses' / 'ring' alike) cannot do "
                              f"attention dropout ({name}: p={dropout}); set the model's attention dropout to 0")

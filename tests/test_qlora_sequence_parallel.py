@@ -62,3 +62,17 @@ def test_a_layout_that_cannot_split_is_refused_before_loading(tiny, tmp_path, ca
     err = capsys.readouterr().err
     assert "Loading weights" not in err and "Traceback" not in err
     assert err.strip().splitlines()[-1] == message
+
+
+def test_models_with_a_per_key_alibi_bias_are_refused_before_loading(tiny):
+    """Bloom computes its ALiBi bias from the positions each shard sees: splitting its sequences would be wrong."""
+    from transformers import BloomConfig
+
+    from train.errors import UserError
+    from train.parallel import check_layout
+
+    args = parse_args(base_argv(tiny, tiny / "unused", "--sequence_parallel", 2))
+    with pytest.raises(UserError, match=r"^--sequence_parallel cannot split bloom models \(per-key ALiBi bias\): "
+                                        r"the model computes it .* \(drop --sequence_parallel\)$"):
+        check_layout(args, world=2, config=BloomConfig(n_head=4, hidden_size=32))
+    check_layout(args, world=2, config=None)  # llama-like: fine

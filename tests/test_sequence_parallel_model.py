@@ -217,8 +217,19 @@ def test_ring_refuses_what_it_cannot_do(option):
                   sinks=None, dropout=0.0, q_block=4, kv_block=4, compile=False)
     kwargs[option] = {"key_bias": torch.zeros(1, 4, 8), "sinks": torch.zeros(4), "dropout": 0.1}[option]
     context = SequenceParallelContext(None, "ring", 16)
-    with pytest.raises(ValueError, match="'ulysses'" if option != "dropout" else "dropout"):
+    with pytest.raises(ValueError, match={"sinks": "'ulysses'", "dropout": "dropout",
+                                          "key_bias": "per-key ALiBi bias: the model computes it from the positions "
+                                                      "of this rank's shard"}[option]):
         context.attention(torch.nn.Identity(), q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("name,expected", [("bloom", True), ("mpt", True), ("falcon_alibi", True), ("falcon", False),
+                                           ("llama", False)])
+def test_models_with_a_per_key_alibi_bias_are_known_in_advance(name, expected):
+    """What the trainer refuses before loading: their bias comes from each shard's own positions."""
+    from patches.sequence_parallel import uses_per_key_bias
+
+    assert uses_per_key_bias(tiny_model(name).config) is expected
 
 
 def test_context_manager_restores_and_needs_a_patched_model():

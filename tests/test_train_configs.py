@@ -34,6 +34,31 @@ def test_every_preset_says_how_to_run_it(preset):
     assert re.search(r"(python -m train\.qlora|accelerate launch).*--config", header), preset
 
 
+LAUNCH_CONFIGS = sorted((CONFIGS / "accelerate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", LAUNCH_CONFIGS, ids=lambda p: p.name)
+def test_every_launch_command_in_a_launch_config_parses(config, monkeypatch):
+    """accelerate reads the config and the launcher flags of each command in its header; train.qlora parses the
+    rest (presets resolved from the repository root, as the commands are run from there)."""
+    import shlex
+
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    load_config_from_file(str(config))
+    commands = [line.lstrip("# ").strip() for line in config.read_text().splitlines()
+                if line.startswith("#") and "accelerate launch" in line and "train.qlora" in line]
+    assert commands, config
+    monkeypatch.chdir(CONFIGS.parent)
+    for command in commands:
+        words = shlex.split(command[command.index("accelerate launch") + len("accelerate launch"):])
+        script = words.index("train.qlora")
+        launcher = launch_command_parser().parse_args([*words[:script], "train.qlora"])
+        assert launcher.config_file == f"configs/accelerate/{config.name}", command
+        parse_args(words[script + 1:])
+
+
 def test_default_yaml_is_the_embedded_default():
     values = yaml.safe_load((CONFIGS / "default.yaml").read_text())
     assert values == {k: v for k, v in DEFAULT_RUN.items() if k != "model_name_or_path"}

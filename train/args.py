@@ -122,6 +122,8 @@ class TrainArguments:
         "groups). Needs the patch; the number of processes must be a multiple of N.")
     sp_mode: str = _opt("ring", "Sequence-parallel attention: ring (any head count; not ALiBi-bias families or "
                         "attention sinks) or ulysses (query heads must divide by N).", choices=("ring", "ulysses"))
+    fsdp: bool = _opt(False, "Shard the (4-bit) base and LoRA over every process with FSDP2 (torch fully_shard), so "
+                      "a model too large for one device trains; also on when launched with an accelerate FSDP config.")
     seed: int = _opt(42, "Seed for LoRA init, data order and dropout.")
     torch_threads: int | None = _opt(
         None, "CPU threads per process for torch ops (torch.set_num_threads); default: torch's own. 1 is fastest "

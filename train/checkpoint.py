@@ -2,8 +2,9 @@
 
 A checkpoint holds everything the resumed run needs to repeat the uninterrupted run's steps exactly:
 
-    adapter_config.json, adapter_model.safetensors   the trainable weights (peft format)
-    optimizer.pt, scheduler.pt                         their state_dicts
+    adapter_config.json, adapter_model.safetensors   the trainable weights (peft format, gathered under FSDP)
+    optimizer.pt                                       the optimizer's full state dict (torch.distributed.checkpoint)
+    scheduler.pt                                       the scheduler's state_dict
     rng_state.pt                                       python / numpy / torch (and CUDA) RNG, one per rank
     trainer_state.json                                 step, data position (epoch, batch), args
 
@@ -130,13 +131,28 @@ def remove_leftovers(output_dir: str) -> None:
                 shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
 
 
-def save(output_dir: str, step: int, *, model, optimizer, scheduler, rng_states: list, position: tuple[int, int],
-         args_dict: dict, world_size: int) -> str:
-    """Write checkpoint-<step> (called on the main process only; rng_states holds every rank's)."""
+def gathered_states(model, optimizer, main: bool) -> tuple[dict, dict]:
+    """(trainable weights, optimizer state), whole, on the main process: what `save` writes. Every rank must call
+    it (under FSDP both are gathered from shards). The optimizer state is torch.distributed.checkpoint's full
+    state dict (keyed by parameter name), the same with or without FSDP, so either run can resume the other's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from train.fsdp import gathered_trainable_state
+
+    weights = gathered_trainable_state(model, keep=main)
+    state = get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return weights, state
+
+
+def save(output_dir: str, step: int, *, model, weights: dict, optimizer_state: dict, scheduler, rng_states: list,
+         position: tuple[int, int], args_dict: dict, world_size: int) -> str:
+    """Write checkpoint-<step> (called on the main process only, with what gathered_states returned there;
+    rng_states holds every rank's)."""
 
     def write(path: str) -> None:
-        model.save_pretrained(path)
-        torch.save(optimizer.state_dict(), os.path.join(path, "optimizer.pt"))
+        model.save_pretrained(path, state_dict=weights)
+        torch.save(optimizer_state, os.path.join(path, "optimizer.pt"))
         torch.save(scheduler.state_dict(), os.path.join(path, "scheduler.pt"))
         torch.save(rng_states, os.path.join(path, "rng_state.pt"))
         epoch, batch = position
@@ -147,25 +163,40 @@ def save(output_dir: str, step: int, *, model, optimizer, scheduler, rng_states:
     return write_atomically(output_dir, f"{PREFIX}{step}", write)
 
 
-def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
-    """Restore the trainable weights, optimizer, scheduler and this rank's RNG from `path`; return its state."""
+def _resume_error(path: str, error: Exception) -> UserError:
+    from train.model import one_line
+
+    return UserError(f"cannot resume from {path}: {one_line(error)}; the checkpoint is corrupt or from a run with "
+                     "other model/LoRA settings")
+
+
+def load_weights(path: str, model) -> None:
+    """The trainable weights of checkpoint `path` into `model`, before it is sharded or wrapped (every rank)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from train.model import one_line
-
-    state = read_state(path)
     try:
-        weights = load_file(os.path.join(path, "adapter_model.safetensors"))
-        result = set_peft_model_state_dict(model, weights)
+        result = set_peft_model_state_dict(model, load_file(os.path.join(path, "adapter_model.safetensors")))
         unexpected = getattr(result, "unexpected_keys", None)
         if unexpected:
             raise ValueError(f"weights the model does not have: {unexpected[:3]}")
-        optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False))
+    except Exception as error:  # any unreadable or mismatched piece means the same thing to the user
+        raise _resume_error(path, error) from None
+
+
+def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
+    """Restore the optimizer (into its shards under FSDP), scheduler and this rank's RNG from `path` on every rank
+    (the weights went in earlier: load_weights); return its state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    state = read_state(path)
+    try:
+        set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
+                                 torch.load(os.path.join(path, "optimizer.pt"), weights_only=False),
+                                 options=StateDictOptions(full_state_dict=True))
         scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
         rng_states = torch.load(os.path.join(path, "rng_state.pt"), weights_only=False)
-    except Exception as error:  # any unreadable or mismatched piece means the same thing to the user
-        raise UserError(f"cannot resume from {path}: {one_line(error)}; the checkpoint is corrupt or from a run "
-                        "with other model/LoRA settings") from None
+    except Exception as error:
+        raise _resume_error(path, error) from None
     set_rng_state(rng_states[rank] if rank < len(rng_states) else rng_states[0])
     return state

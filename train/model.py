@@ -160,22 +160,26 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def quantization_config(bits: int, dtype: torch.dtype) -> BitsAndBytesConfig | None:
+def quantization_config(bits: int, dtype: torch.dtype, *, shardable: bool = False) -> BitsAndBytesConfig | None:
+    """shardable: keep the packed 4-bit data in `dtype` tensors instead of uint8 ones (the same bytes), which FSDP
+    can shard next to the float parameters (train.fsdp)."""
     if bits == 4:
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=dtype)
+                                  bnb_4bit_compute_dtype=dtype,
+                                  bnb_4bit_quant_storage=dtype if shardable else torch.uint8)
     if bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return None
 
 
 def load_base(name_or_path: str, config, *, bits: int, device: torch.device, trust_remote_code: bool,
-              quantize: bool = True):
-    """The base model with `config` (RoPE scaling already on it), quantised per `bits`."""
+              quantize: bool = True, shardable: bool = False):
+    """The base model with `config` (RoPE scaling already on it), quantised per `bits` (4-bit data in a float
+    dtype when `shardable`, for FSDP)."""
     dtype = compute_dtype(device)
     kwargs = {"config": config, "dtype": dtype, "trust_remote_code": trust_remote_code}
     if quantize and bits < 16:
-        kwargs["quantization_config"] = quantization_config(bits, dtype)
+        kwargs["quantization_config"] = quantization_config(bits, dtype, shardable=shardable)
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}  # each process loads onto its own GPU
     try:
@@ -236,7 +240,7 @@ def build_model(args, config, device: torch.device):
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     model = load_base(args.model_name_or_path, config, bits=args.bits, device=device,
-                      trust_remote_code=args.trust_remote_code)
+                      trust_remote_code=args.trust_remote_code, shardable=args.fsdp)
     model.config.use_cache = False  # no KV cache in training
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     with _quiet_checkpointing_renames():

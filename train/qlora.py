@@ -43,6 +43,7 @@ from train import checkpoint
 from train.args import TINY_LLAMA_DIR, Args, parse_args
 from train.errors import UserError
 from train.lifecycle import SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise
+from train.fsdp import full_norm
 from train.parallel import Layout, make_layout
 
 METRICS_FILE = "metrics.jsonl"
@@ -131,6 +132,7 @@ class Preflight:
 def preflight(args: Args) -> Preflight:
     """Every check that needs no weights, in the order a user would fix them. Raises UserError."""
     from train.data import check_source
+    from train.fsdp import check_fsdp, use_launcher_fsdp
     from train.model import apply_rope_scaling, check_bpt_support, check_packing, load_config, load_tokenizer
     from train.parallel import check_layout
 
@@ -146,7 +148,9 @@ def preflight(args: Args) -> Preflight:
     if args.bpt:
         check_bpt_support(config)
     check_packing(config, args.packing)
-    check_layout(args)
+    check_layout(args, config=config)
+    use_launcher_fsdp(args)
+    check_fsdp(args, config)
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     return Preflight(config, tokenizer, rope_factor, resume_path)
@@ -190,7 +194,8 @@ def on_main(accelerator, fn):
 
 
 def start_position(accelerator, args: Args, resume_path: str | None, model, optimizer, scheduler):
-    """(step, (epoch, batch)) to start from: the checkpoint's when resuming, else a clean output_dir."""
+    """(step, (epoch, batch)) to start from: the checkpoint's when resuming (its weights are in already), else a
+    clean output_dir."""
     start_step, position = 0, (0, 0)
     if resume_path:
         state = checkpoint.load(resume_path, model=accelerator.unwrap_model(model), optimizer=optimizer,
@@ -348,7 +353,8 @@ def train_step(model, group: list[dict], optimizer, scheduler, accelerator, args
         # Gradients are all-reduced only on the step's last micro-batch.
         sync = contextlib.nullcontext() if i == len(group) - 1 else accelerator.no_sync(model)
         with sync, split:  # backward inside: gradient checkpointing recomputes the attention there
-            loss = model(**micro).loss
+            with accelerator.autocast():  # (a model sharded by FSDP is not wrapped by accelerate.prepare)
+                loss = model(**micro).loss
             # DDP averages gradients over ranks; the normalisation above already is global (the ranks' losses
             # sum to the step's mean token loss).
             accelerator.backward(loss * accelerator.num_processes)
@@ -361,7 +367,7 @@ def train_step(model, group: list[dict], optimizer, scheduler, accelerator, args
         raise TrainingDiverged(f"loss is {loss} at step {step}")
     grad_norm = None
     if args.max_grad_norm > 0:
-        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+        grad_norm = full_norm(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
     optimizer.step()
     if not accelerator.optimizer_step_was_skipped:  # fp16 overflow: keep the schedule in step with updates
         scheduler.step()
@@ -411,9 +417,11 @@ def save_checkpoint(accelerator, model, optimizer, scheduler, args: Args, step: 
     from accelerate.utils import gather_object
 
     rng_states = gather_object([checkpoint.rng_state()])  # every rank's, so each resumes its own dropout stream
+    model = accelerator.unwrap_model(model)
+    weights, optimizer_state = checkpoint.gathered_states(model, optimizer, accelerator.is_main_process)
     path = None
     if accelerator.is_main_process:
-        path = checkpoint.save(args.output_dir, step, model=accelerator.unwrap_model(model), optimizer=optimizer,
+        path = checkpoint.save(args.output_dir, step, model=model, weights=weights, optimizer_state=optimizer_state,
                                scheduler=scheduler, rng_states=rng_states, position=position,
                                args_dict=args.to_dict(), world_size=accelerator.num_processes)
     accelerator.wait_for_everyone()
@@ -504,12 +512,12 @@ def passkey_eval(model, tokenizer, args: Args) -> dict:
 
 def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict,
               step: int) -> dict | None:
-    """Passkey accuracy on the main process (the others wait: greedy decoding needs no data parallelism),
-    printed, logged to the tracker at `step` and written to eval.json under `when` ("before"/"after")
-    beside the earlier results in `evals`."""
+    """Passkey accuracy on the main process (the others wait: greedy decoding needs no data parallelism; under
+    FSDP every rank decodes, as every forward gathers the shards), printed, logged to the tracker at `step` and
+    written to eval.json under `when` ("before"/"after") beside the earlier results in `evals`."""
 
-    def evaluate() -> dict:
-        result = passkey_eval(accelerator.unwrap_model(model), tokenizer, args)
+    def evaluate(result: dict | None = None) -> dict:
+        result = result or passkey_eval(accelerator.unwrap_model(model), tokenizer, args)
         lengths = ", ".join(f"{length}: {acc:.3f}" for length, acc in result["by_length"].items())
         print(f"passkey accuracy {when} training: {result['accuracy']:.3f} (by length {lengths})", flush=True)
         _write_json(eval_path, {**evals, when: result})
@@ -519,6 +527,9 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
                             step=step)
         return result
 
+    if args.fsdp:
+        result = passkey_eval(accelerator.unwrap_model(model), tokenizer, args)
+        return on_main(accelerator, lambda: evaluate(result)) or result
     return on_main(accelerator, evaluate)
 
 
@@ -541,6 +552,7 @@ def run(args: Args) -> RunResult:
     """The whole run; returns the trained model (for in-process use and tests)."""
     from accelerate.utils import set_seed
 
+    from train.fsdp import gathered_trainable_state, local_share, shard_model
     from train.model import build_model
 
     started = time.time()
@@ -564,15 +576,24 @@ def run(args: Args) -> RunResult:
 
     set_seed(args.seed)
     model, _handle = build_model(args, plan.config, accelerator.device)
+    if plan.resume_path:  # before sharding / wrapping: every rank loads the whole adapter
+        checkpoint.load_weights(plan.resume_path, model)
+    if args.fsdp:
+        shard_model(model)  # the optimizer must see the shards
     optimizer = make_optimizer(model, args)
     scheduler = make_scheduler(optimizer, args, steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if args.fsdp:
+        optimizer = accelerator.prepare(optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     if main_process:
         print(f"trainable parameters: {sum(p.numel() for p in model.parameters() if p.requires_grad):,}; "
               f"{len(dataset)} rows of {args.max_seq_len} tokens; {steps} steps on {accelerator.num_processes} "
               f"process(es)" + (f"; sequences split {layout.sequence_parallel} ways ({layout.mode})"
                                  if layout.sequence_parallel > 1 else "")
-              + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else ""),
+              + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else "")
+              + (f"; FSDP2 over {accelerator.num_processes} process(es), the main one holding "
+                 f"{100 * local_share(model):.1f}% of the weights" if args.fsdp else ""),
               file=sys.stderr)
     os.makedirs(args.output_dir, exist_ok=True)
     start_step, position = start_position(accelerator, args, plan.resume_path, model, optimizer, scheduler)
@@ -587,8 +608,9 @@ def run(args: Args) -> RunResult:
     losses = train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, layout=layout,
                         start_step=start_step, position=position, steps=steps, last_checkpoint=plan.resume_path)
     trained = accelerator.unwrap_model(model)
+    weights = gathered_trainable_state(trained, keep=main_process)  # whole, under FSDP too
     if main_process:
-        trained.save_pretrained(args.output_dir)
+        trained.save_pretrained(args.output_dir, state_dict=weights)
         tokenizer.save_pretrained(args.output_dir)
     if args.eval_passkey:
         evals["after"] = _evaluate(accelerator, model, tokenizer, args, "after", eval_path, evals, steps)

@@ -1,0 +1,116 @@
+"""FSDP2 for the QLoRA run (`--fsdp`): the 4-bit base and the LoRA weights sharded over every process with torch's
+own `fully_shard`, one unit per decoder layer plus the root (embeddings, final norm, LM head).
+
+We shard ourselves instead of through accelerate's FSDP plugin: accelerate gives a CPU launch no distribution at
+all, so only our own call shards the same way on gloo (tests) as on NCCL (users). A launch with an accelerate FSDP
+config turns `--fsdp` on, and accelerate is then asked for a plain multi-process state (`use_launcher_fsdp`).
+
+What sharding asks of the rest of the run:
+- 4-bit data must live in a float dtype (`bnb_4bit_quant_storage`, train.model.quantization_config): FSDP flattens
+  every parameter of a unit into float buffers; with the default uint8 storage training silently runs at loss 0
+  with NaN gradients, so `shard_model` refuses it.
+- The model is put in train mode before sharding: in eval mode bitsandbytes on CPU may repack 4-bit data in place,
+  and the repacked bytes would not survive FSDP's resharding while the changed quantisation state would.
+- Parameters are DTensor shards: the adapter is saved from `gathered_trainable_state` (a collective), and the
+  optimizer state goes through torch.distributed.checkpoint's full state dict (train.checkpoint).
+- Every rank must run every forward (all-gathers): evaluation runs on all ranks, the main one reports.
+- Gradients are reduce-scattered as averages over all processes, as DDP's are: the loss scaling of
+  train.qlora.train_step holds unchanged, with or without sequence parallelism (FSDP over all processes, each
+  sequence-parallel group inside it).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from train.errors import UserError
+
+LAUNCHER_FSDP_ENV = "ACCELERATE_USE_FSDP"  # set by `accelerate launch` for a config with distributed_type FSDP
+
+
+def launched_with_fsdp() -> bool:
+    return os.environ.get(LAUNCHER_FSDP_ENV, "false").lower() == "true"
+
+
+def use_launcher_fsdp(args) -> None:
+    """A launch with an accelerate FSDP config means --fsdp; accelerate is then kept from wrapping the model
+    itself (its plugin would replace our sharding plan)."""
+    if launched_with_fsdp():
+        args.fsdp = True
+        os.environ[LAUNCHER_FSDP_ENV] = "false"
+
+
+def check_fsdp(args, config) -> None:
+    """UserError (before any weights are read) for what FSDP cannot shard."""
+    if not args.fsdp:
+        return
+    if args.bits == 8:
+        raise UserError("--fsdp shards 4-bit (--bits 4) or unquantised (--bits 16) bases; bitsandbytes int8 weights "
+                        "cannot be sharded: choose --bits 4")
+    if args.optim == "paged_adamw_8bit":
+        raise UserError("--optim paged_adamw_8bit keeps bitsandbytes states that FSDP cannot shard; use --optim adamw "
+                        "with --fsdp")
+    quantized = getattr(config, "quantization_config", None)
+    if quantized is not None:
+        quantized = quantized if isinstance(quantized, dict) else quantized.to_dict()
+        storage = str(quantized.get("bnb_4bit_quant_storage") or "uint8").replace("torch.", "")
+        if quantized.get("load_in_4bit") and not storage.startswith(("float", "bfloat")):
+            raise UserError(f"{args.model_name_or_path} is saved already quantised to 4 bits in {storage} storage, "
+                            "which FSDP cannot shard (training would run at loss 0 with NaN gradients); use the "
+                            "unquantised base (this recipe quantises it for FSDP) or drop --fsdp")
+
+
+def _check_storage(model) -> None:
+    for name, param in model.named_parameters():
+        if type(param).__name__ == "Params4bit" and not param.dtype.is_floating_point:
+            raise ValueError(f"{name} keeps its 4-bit data in {param.dtype}, which FSDP cannot shard (training would "
+                             "run at loss 0 with NaN gradients); load the base with "
+                             "BitsAndBytesConfig(bnb_4bit_quant_storage=<the compute dtype>)")
+
+
+def shard_model(model) -> None:
+    """fully_shard every decoder layer of `model` (a peft model or a transformers one), then its transformers root,
+    in place. Raises ValueError for 4-bit data in uint8 storage."""
+    from torch.distributed.fsdp import fully_shard
+
+    _check_storage(model)
+    model.train()
+    root = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layer_classes = set(getattr(root, "_no_split_modules", None) or ())
+    layers = [module for module in root.modules() if type(module).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{type(root).__name__} names no decoder layer class (_no_split_modules) to shard by")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(root)
+
+
+def local_share(model) -> float:
+    """The fraction of the model's parameter elements stored on this process (1.0 when nothing is sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    local = whole = 0
+    for param in model.parameters():
+        whole += param.numel()
+        local += param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+    return local / max(whole, 1)
+
+
+def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
+    """{name: full tensor on CPU} of the trainable parameters, on the ranks where `keep` (others get {}). Every rank
+    must call it: gathering a shard is a collective."""
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if keep:
+                state[name] = full.detach().cpu()
+    return state
+
+
+def full_norm(norm) -> float:
+    """A gradient norm as a float; under FSDP clip_grad_norm_ returns it as a DTensor."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
