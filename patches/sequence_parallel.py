@@ -37,7 +37,7 @@ apply_bpt_patch, optionally LoRA-wrapped before patching)::
 
 Limits (raise ValueError): neither mode can do the per-key ALiBi bias of Bloom, MPT and Falcon-with-ALiBi (the model
 computes it from the shard's own positions; `uses_per_key_bias(config)` tells in advance), nor attention dropout;
-ring cannot do attention sinks; ulysses cannot do a query head count that does not divide by the group size.
+ulysses cannot do a query head count that does not divide by the group size.
 """
 from __future__ import annotations
 
@@ -88,9 +88,6 @@ class SequenceParallelContext:
         name = type(module).__name__
         if key_bias is not None:
             raise ValueError(f"sequence parallelism cannot do {name}'s per-key ALiBi bias: {PER_KEY_BIAS_REASON}")
-        if self.mode == "ring" and sinks is not None:
-            raise ValueError(f"sequence-parallel mode 'ring' cannot do attention sinks ({name}); use mode 'ulysses' "
-                             "for this model")
         if dropout:
             raise ValueError(f"sequence parallelism ({self.mode!r}, and 'ulysses' / 'ring' alike) cannot do "
                              f"attention dropout ({name}: p={dropout}); set the model's attention dropout to 0")
@@ -98,7 +95,7 @@ class SequenceParallelContext:
                       padding_mask=self.padding_mask, segment_ids=self.segment_ids, sliding_window=sliding_window,
                       alibi_slopes=alibi_slopes, softcap=softcap, q_block=q_block, kv_block=kv_block, compile=compile)
         if self.mode == "ring":
-            return ring_attention(query, key, value, **common)
+            return ring_attention(query, key, value, sinks=sinks, **common)
         world = dist.get_world_size(self.group)
         if query.shape[1] % world:
             raise ValueError(f"sequence-parallel mode 'ulysses' splits the {query.shape[1]} query heads of {name} "

@@ -19,7 +19,7 @@ WORLDS = (1, 2, 3, 4)
 OUT_TOL, GRAD_TOL = 1e-5, 1e-4
 
 # name -> (N, Hq, Hkv, options, q_block, kv_block); options are blockwise_attention's, with
-# padding_mask / segment_ids / alibi_slopes given as the strings "padding", "segments", "alibi".
+# padding_mask / segment_ids / alibi_slopes / sinks given as the strings "padding", "segments", "alibi", "sinks".
 CASES = {
     "causal": (37, 4, 4, {}, 1024, 1024),
     "causal_gqa_small_blocks": (45, 4, 2, {}, 3, 2),
@@ -41,6 +41,9 @@ CASES = {
                                    "alibi_slopes": "alibi", "softcap": 3.0}, 3, 5),
     "everything_mqa_full": (37, 4, 1, {"causal": False, "padding_mask": "padding", "segment_ids": "segments",
                                         "alibi_slopes": "alibi", "softcap": 3.0}, 4, 4),
+    "sinks": (45, 4, 2, {"sinks": "sinks"}, 4, 5),
+    "sinks_everything": (45, 4, 2, {"padding_mask": "padding", "segment_ids": "segments", "sliding_window": 9,
+                                    "alibi_slopes": "alibi", "softcap": 3.0, "sinks": "sinks"}, 3, 5),
 }
 WRONG_LAYOUT = "causal_gqa_small_blocks"  # also run with a contiguous (not zigzag) split: must fail
 SUBGROUP_CASE = "everything_gqa"  # also run on process subgroups (world 4 = two rings of 2)
@@ -62,6 +65,9 @@ def _run_case(name, rank, world, shard, group=None, dtype=torch.float32):
     q, k, v, dout, options, n = _inputs(name)
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     _, _, _, _, q_block, kv_block = CASES[name]
+    sinks = options.get("sinks")
+    if sinks is not None:
+        options["sinks"] = sinks = sinks.clone().requires_grad_()
     # Tokens past N (when 2W does not divide N) get inputs that WOULD change the result if seq_len did not
     # hide them: real-looking keys (padding_mask True, segment 0), large q/k/v values and output gradients.
     local = {key: shard(value, 1, rank, world, pad_value=1 if key == "padding_mask" else 0)
@@ -70,7 +76,10 @@ def _run_case(name, rank, world, shard, group=None, dtype=torch.float32):
     out = ring_attention(qs, ks, vs, group=group, seq_len=n, q_block=q_block, kv_block=kv_block, **local)
     out.backward(shard(dout, 2, rank, world, pad_value=5.0))
     assert out.dtype == dtype and qs.grad.dtype == ks.grad.dtype == vs.grad.dtype == dtype
-    return {"out": out.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
+    result = {"out": out.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
+    if sinks is not None:
+        result["dsinks"] = sinks.grad  # this rank's share
+    return result
 
 
 def _worker(rank, world):
@@ -98,17 +107,22 @@ def _reference(name):
     if name not in _REFERENCE:
         q, k, v, dout, options, _ = _inputs(name)
         q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        if "sinks" in options:
+            options["sinks"] = options["sinks"].clone().requires_grad_()
         out = blockwise_attention(q, k, v, **options)
         out.backward(dout)
         _REFERENCE[name] = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+        if "sinks" in options:
+            _REFERENCE[name]["dsinks"] = options["sinks"].grad
     return _REFERENCE[name]
 
 
 def _errors(got_shards, ref_name, n):
     ref = _reference(ref_name)
     errors = {}
-    for key, want in ref.items():
-        got = zigzag_unshard(got_shards[key], 2, seq_len=n).float()
+    for key, want in ref.items():  # the sinks' gradient: summed over the ranks
+        got = (torch.stack(got_shards[key]).sum(0) if key == "dsinks"
+               else zigzag_unshard(got_shards[key], 2, seq_len=n)).float()
         errors[key] = ((got - want).abs().max() / want.abs().max()).item()
     return errors
 
@@ -119,11 +133,11 @@ def test_ring_matches_blockwise(ring_results, world, name):
     n = CASES[name][0]
     shards = ring_results(world)[name]
     for key, got in shards.items():  # rows past N: exact zeros (outputs, and gradients of pad tokens)
-        assert not zigzag_unshard(got, 2)[:, :, n:].any(), key
+        assert key == "dsinks" or not zigzag_unshard(got, 2)[:, :, n:].any(), key
     errors = _errors(shards, name, n)
     print(f"W={world} {name}: " + " ".join(f"{key}={err:.1e}" for key, err in errors.items()))
     assert errors["out"] <= OUT_TOL, errors
-    for key in ("dq", "dk", "dv"):
+    for key in ("dq", "dk", "dv", "dsinks") if "sinks" in name else ("dq", "dk", "dv"):
         assert errors[key] <= GRAD_TOL, errors
 
 
@@ -173,8 +187,7 @@ def test_zigzag_roundtrip_and_positions(n, world):
         assert pos.tolist() == list(range(r * c, r * c + c)) + list(range((2 * world - 1 - r) * c, (2 * world - r) * c))
 
 
-@pytest.mark.parametrize("option", [{"key_bias": torch.zeros(1, 2, 4)}, {"sinks": torch.zeros(2)},
-                                    {"dropout": 0.1}])
+@pytest.mark.parametrize("option", [{"key_bias": torch.zeros(1, 2, 4)}, {"dropout": 0.1}])
 def test_unsupported_options_raise(option):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match=next(iter(option))):

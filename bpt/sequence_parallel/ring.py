@@ -25,7 +25,11 @@ accumulator is back at the rank that owns the K/V. dQ stays local.
 Masks are global: causal, sliding window and ALiBi use GLOBAL positions (from the zigzag layout), segment ids
 and padding travel with their keys. (query chunk, key chunk) pairs that causality, the window, the padding or
 the true length hide completely are skipped, and inside a pair `_make_plan` skips blocks as on one device.
-Not supported (raise ValueError): key_bias, sinks, dropout.
+Attention sinks (sinks [Hq], one logit per query head joining every row's normaliser): each rank starts its query
+rows' running max / sum from the sink (m = sink, l = 1) as on one device, so the merged logsumexp includes it; its
+gradient is each rank's share -sum over its rows of exp(sink - lse) * rowsum(dO * O), summed over the group with
+the other replicated parameters' gradients (patches.sequence_parallel.reduce_gradients).
+Not supported (raise ValueError): key_bias (a per-key bias must be built for the global sequence), dropout.
 """
 from __future__ import annotations
 
@@ -37,8 +41,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from bpt.attention import (_MAX_INIT, _autocast_inputs, _autocast_off, _finish_rows, _forward_step,
-                           _backward_step, _make_plan, _mask_args, _rows, _scaled_rows, _Spec, _validate,
+                           _backward_step, _make_plan, _mask_args, _rows, _scaled_rows, _sink_rows, _Spec, _validate,
                            _Workspace)
+from bpt.sequence_parallel import traffic
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions"]
 
@@ -125,18 +130,18 @@ def ring_attention(
     rank) -> this rank's output shard [B, Hq, n, Dv]. padding_mask / segment_ids: this rank's shard [B, n] of
     the global [B, N] inputs (same meaning as in blockwise_attention). seq_len: the global length before
     padding (default W * n). Every other option means what it means in blockwise_attention, on global
-    positions. key_bias, sinks and dropout are not supported and raise ValueError.
+    positions; sinks [Hq] is global (its gradient here is this rank's share). key_bias and dropout are not
+    supported and raise ValueError.
     """
-    for name, value in (("key_bias", key_bias), ("sinks", sinks)):
-        if value is not None:
-            raise ValueError(f"ring_attention does not support {name} (yet); use blockwise_attention on one "
-                             "device for it")
+    if key_bias is not None:
+        raise ValueError("ring_attention does not support key_bias (yet); use blockwise_attention on one device, or "
+                         "ulysses_attention with the global bias, for it")
     if dropout:
         raise ValueError("ring_attention does not support dropout (yet): pass dropout=0.0 (attention dropout "
                          "is 0 in the models trained at long context)")
     q, k, v = _autocast_inputs(q, k, v)
     _validate(q, k, v, scale, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap, q_block,
-              kv_block, compile)
+              kv_block, compile, sinks=sinks)
     n = q.shape[2]
     if k.shape[2] != n or n == 0 or n % 2:
         raise ValueError(f"ring_attention needs q and k shards of one even length (two zigzag chunks, see "
@@ -164,7 +169,7 @@ def ring_attention(
     if segment_ids is not None:
         segment_ids = segment_ids.long().contiguous()
     slopes = None if alibi_slopes is None else alibi_slopes.to(spec.acc_dtype).view(hkv, hq // hkv)  # [Hkv, G]
-    return _RingAttention.apply(q, k, v, key_mask, segment_ids, slopes, spec, ring)
+    return _RingAttention.apply(q, k, v, key_mask, segment_ids, slopes, sinks, spec, ring)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -199,6 +204,7 @@ class _Ring:
         received = [torch.empty_like(t) for t in tensors]
         ops = []
         for t, buf in zip(tensors, received):
+            traffic.add("ring_p2p", t.numel() * t.element_size())
             ops.append(dist.P2POp(dist.isend, t, self.next, self.group))
             ops.append(dist.P2POp(dist.irecv, buf, self.prev, self.group))
         return received, (dist.batch_isend_irecv(ops) if ops else [])
@@ -294,7 +300,7 @@ def _padding_rows(ring: _Ring, n: int, device) -> Tensor | None:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     @_autocast_off
-    def forward(ctx, q, k, v, key_mask, segment_ids, slopes, spec: _Spec, ring: _Ring):
+    def forward(ctx, q, k, v, key_mask, segment_ids, slopes, sinks, spec: _Spec, ring: _Ring):
         b, hq, n, d = q.shape
         hkv, dv = k.shape[1], v.shape[3]
         bh, g, c, acc_dtype = b * hkv, spec.groups, ring.c, spec.acc_dtype
@@ -303,12 +309,15 @@ class _RingAttention(torch.autograd.Function):
         v3 = v.reshape(bh, n, dv).contiguous()
         has_mask, has_seg = key_mask is not None, segment_ids is not None
         qblocks = _query_blocks(spec, c)
+        sink3 = _sink_rows(sinks, b, hkv, g, acc_dtype)  # [BH, G, 1] or None
         state = {}  # (qc, i0) -> (qs [BH, R, D], m [BH, R], l [BH, R], acc [BH, R, Dv])
         for qc, i0, i1 in qblocks:
             rows = g * (i1 - i0)
-            state[qc, i0] = (_scaled_rows(q3, qc * c + i0, qc * c + i1, spec),
-                             q.new_full((bh, rows), _MAX_INIT, dtype=acc_dtype),
-                             q.new_zeros((bh, rows), dtype=acc_dtype),
+            if sink3 is None:
+                m, l = q.new_full((bh, rows), _MAX_INIT, dtype=acc_dtype), q.new_zeros((bh, rows), dtype=acc_dtype)
+            else:  # the sink is a virtual first key: exp(sink - m) = 1 with m = sink
+                m, l = sink3.expand(bh, g, i1 - i0).reshape(bh, rows).clone(), q.new_ones((bh, rows), dtype=acc_dtype)
+            state[qc, i0] = (_scaled_rows(q3, qc * c + i0, qc * c + i1, spec), m, l,
                              q.new_zeros((bh, rows, dv), dtype=acc_dtype))
         work = _Workspace(enabled=not spec.use_compile)
         shard = _pack(k3, v3, key_mask, segment_ids)
@@ -338,7 +347,7 @@ class _RingAttention(torch.autograd.Function):
         if pad_rows is not None:  # rows past the true length: exact zeros, no gradient (like empty rows)
             out3[:, :, pad_rows] = 0
             lse[:, :, pad_rows] = float("inf")
-        ctx.save_for_backward(q3, k3, v3, out, lse, key_mask, segment_ids, slopes)
+        ctx.save_for_backward(q3, k3, v3, out, lse, key_mask, segment_ids, slopes, sinks)
         ctx.spec, ctx.ring, ctx.plans, ctx.shapes = spec, ring, plans, (q.shape, k.shape, v.shape)
         return out
 
@@ -346,7 +355,7 @@ class _RingAttention(torch.autograd.Function):
     @once_differentiable
     @_autocast_off
     def backward(ctx, dout):
-        q3, k3, v3, out, lse, key_mask, segment_ids, slopes = ctx.saved_tensors
+        q3, k3, v3, out, lse, key_mask, segment_ids, slopes, sinks = ctx.saved_tensors
         spec, ring, plans = ctx.spec, ctx.ring, ctx.plans
         q_shape, k_shape, v_shape = ctx.shapes
         bh, g, n, d = q3.shape
@@ -358,14 +367,18 @@ class _RingAttention(torch.autograd.Function):
             do3[:, :, pad_rows] = 0
         o3 = out.view(bh, g, n, dv_dim)
         has_mask, has_seg = key_mask is not None, segment_ids is not None
+        sink3 = _sink_rows(sinks, b, k_shape[1], g, acc_dtype)  # [BH, G, 1] or None
+        dsink = None if sink3 is None else torch.zeros((bh, g), dtype=acc_dtype, device=q3.device)  # [BH, G]
         rows_of = {}  # (qc, i0) -> (qs, dO rows, -lse, -delta, dq accumulator)
         for qc, i0, i1 in _query_blocks(spec, c):
             r0, r1 = qc * c + i0, qc * c + i1
             dob = _rows(do3, r0, r1, acc_dtype)  # [BH, R, Dv]
-            rows_of[qc, i0] = (_scaled_rows(q3, r0, r1, spec), dob,
-                               -lse[:, :, r0:r1].reshape(bh, -1),
-                               -(dob * _rows(o3, r0, r1, acc_dtype)).sum(-1),  # delta = rowsum(dO * O)
+            neg_lse, neg_delta = -lse[:, :, r0:r1].reshape(bh, -1), -(dob * _rows(o3, r0, r1, acc_dtype)).sum(-1)
+            rows_of[qc, i0] = (_scaled_rows(q3, r0, r1, spec), dob, neg_lse, neg_delta,  # delta = rowsum(dO * O)
                                torch.zeros((bh, g * (i1 - i0), d), dtype=acc_dtype, device=q3.device))
+            if dsink is not None:  # this rank's rows' share: -sum p_sink * delta, p_sink = exp(sink - lse)
+                p_sink = (sink3 + neg_lse.view(bh, g, i1 - i0)).exp_()  # [BH, G, bq]; 0 on pad rows (lse = inf)
+                dsink.add_((p_sink * neg_delta.view(bh, g, i1 - i0)).sum(-1))
         work = _Workspace(enabled=not spec.use_compile)
         shard = _pack(k3, v3, key_mask, segment_ids)
         grads = None  # the dK / dV accumulator finished in the previous step, to pass on
@@ -400,5 +413,6 @@ class _RingAttention(torch.autograd.Function):
             dq[:, :, qc * c + i0:qc * c + i1] = rows_of[qc, i0][4].view(bh, g, i1 - i0, d)
         dq.mul_(spec.scale)  # s = (scale * q) . k
         dtype = q3.dtype
+        dsinks = None if dsink is None else dsink.view(b, -1).sum(0).to(sinks.dtype)  # [Hq]
         return (dq.view(q_shape).to(dtype), dk.view(k_shape).to(dtype), dv.view(v_shape).to(dtype),
-                None, None, None, None, None)
+                None, None, None, dsinks, None, None)

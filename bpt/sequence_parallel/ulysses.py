@@ -49,6 +49,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from bpt.attention import _autocast_inputs, blockwise_attention
+from bpt.sequence_parallel import traffic
 
 __all__ = ["ulysses_attention", "sequence_shard", "sequence_unshard", "sequence_positions", "gather_sequence",
            "kv_head_ranges"]
@@ -121,6 +122,8 @@ def kv_head_ranges(hq: int, hkv: int, world: int) -> list[tuple[int, int]]:
 
 def _all_to_all(x: Tensor, in_splits: list[int], out_splits: list[int], group) -> Tensor:
     x = x.contiguous()
+    # bytes leaving this rank: every split but its own
+    traffic.add("ulysses_all_to_all", (sum(in_splits) - in_splits[dist.get_rank(group)]) * x.element_size())
     out = x.new_empty(sum(out_splits))
     dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
     return out
