@@ -98,7 +98,8 @@ def _save_prequantized(directory) -> None:
     ("prequantized", "in uint8 storage, which FSDP cannot shard (training would run at loss 0 with NaN gradients); "
                      "use the unquantised base (this recipe quantises it for FSDP) or drop --fsdp"),
 ])
-def test_what_fsdp_cannot_shard_is_refused_before_loading(tiny, tmp_path, capsys, extra, message):
+def test_what_fsdp_cannot_shard_is_refused_before_loading(tiny, tmp_path, capsys, monkeypatch, extra, message):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under accelerate launch (refused before any process group is needed)
     argv = base_argv(tiny, tmp_path / "run", "--fsdp")
     if extra == "prequantized":
         model = tiny / "model-bnb-4bit"
@@ -133,3 +134,22 @@ def test_an_accelerate_fsdp_launch_turns_on_fsdp_and_keeps_accelerate_from_wrapp
     monkeypatch.setenv(LAUNCHER_FSDP_ENV, "true")  # what `accelerate launch` sets for distributed_type: FSDP
     use_launcher_fsdp(args)
     assert args.fsdp is True and os.environ[LAUNCHER_FSDP_ENV] == "false"
+
+
+def test_trainable_parameters_are_kept_in_one_dtype_for_fsdp():
+    """A 16-bit base's trainable norms next to fp32 LoRA would stop FSDP ("uniform original parameter dtype")."""
+    from train.fsdp import trainable_in_fp32
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).bfloat16(), torch.nn.LayerNorm(4).bfloat16())
+    model[0].requires_grad_(False)
+    trainable_in_fp32(model)
+    assert model[0].weight.dtype == torch.bfloat16  # frozen: untouched
+    assert {p.dtype for p in model[1].parameters()} == {torch.float32}
+
+
+def test_fsdp_with_one_process_trains_unsharded_with_a_note(tiny, tmp_path, capsys):
+    plain = run(parse_args(base_argv(tiny, tmp_path / "plain", *COMMON)))
+    capsys.readouterr()
+    noted = run(parse_args(base_argv(tiny, tmp_path / "fsdp", *COMMON, "--fsdp")))
+    assert "note: --fsdp with one process has nothing to shard over; training unsharded" in capsys.readouterr().err
+    assert noted.losses == plain.losses

@@ -9,7 +9,8 @@ What sharding asks of the rest of the run:
 - 4-bit data must live in a float dtype (`bnb_4bit_quant_storage`, train.model.quantization_config): FSDP flattens
   every parameter of a unit into float buffers; with the default uint8 storage training silently runs at loss 0
   with NaN gradients, so `shard_model` refuses it.
-- The model is put in train mode before sharding: in eval mode bitsandbytes on CPU may repack 4-bit data in place,
+- Trainable parameters are kept in fp32 (FSDP wants one dtype per unit). The model is put in train mode before
+  sharding: in eval mode bitsandbytes on CPU may repack 4-bit data in place,
   and the repacked bytes would not survive FSDP's resharding while the changed quantisation state would.
 - Parameters are DTensor shards: the adapter is saved from `gathered_trainable_state` (a collective), and the
   optimizer state goes through torch.distributed.checkpoint's full state dict (train.checkpoint).
@@ -21,6 +22,7 @@ What sharding asks of the rest of the run:
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -42,8 +44,14 @@ def use_launcher_fsdp(args) -> None:
 
 
 def check_fsdp(args, config) -> None:
-    """UserError (before any weights are read) for what FSDP cannot shard."""
+    """UserError (before any weights are read) for what FSDP cannot shard. With one process there is nothing to
+    shard over: --fsdp is dropped with a note."""
     if not args.fsdp:
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        print("note: --fsdp with one process has nothing to shard over; training unsharded (launch several "
+              "processes with accelerate launch --num_processes N to shard)", file=sys.stderr, flush=True)
+        args.fsdp = False
         return
     if args.bits == 8:
         raise UserError("--fsdp shards 4-bit (--bits 4) or unquantised (--bits 16) bases; bitsandbytes int8 weights "
@@ -69,12 +77,22 @@ def _check_storage(model) -> None:
                              "BitsAndBytesConfig(bnb_4bit_quant_storage=<the compute dtype>)")
 
 
+def trainable_in_fp32(model) -> None:
+    """FSDP needs one dtype over the trainable parameters of a unit: LoRA is fp32, but a 16-bit base's trainable
+    norms / embeddings (--train_embeddings_and_norms) would be bf16. Keep them all in fp32 (autocast computes in
+    bf16 anyway), as peft's k-bit preparation does for 4-bit bases."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+
+
 def shard_model(model) -> None:
     """fully_shard every decoder layer of `model` (a peft model or a transformers one), then its transformers root,
     in place. Raises ValueError for 4-bit data in uint8 storage."""
     from torch.distributed.fsdp import fully_shard
 
     _check_storage(model)
+    trainable_in_fp32(model)
     model.train()
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
     layer_classes = set(getattr(root, "_no_split_modules", None) or ())
