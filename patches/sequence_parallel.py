@@ -35,9 +35,13 @@ apply_bpt_patch, optionally LoRA-wrapped before patching)::
   ranks) multiply by the sp group size W: DDP's mean over dp*W ranks of W * (rank share) = the mean over the dp
   replicas of the summed sequence gradient (follows from the same algebra; not tested here).
 
-Limits (raise ValueError): neither mode can do the per-key ALiBi bias of Bloom, MPT and Falcon-with-ALiBi (the model
-computes it from the shard's own positions; `uses_per_key_bias(config)` tells in advance), nor attention dropout;
-ulysses cannot do a query head count that does not divide by the group size.
+ALiBi handed over as a per-key bias (Bloom, MPT, Falcon with alibi): each rank's model builds it from the positions of
+its own shard (0, 1, ... with no attention_mask), so it is slope x local index + a constant; the slopes are read off
+it (`linear_bias_slopes`) and applied on GLOBAL positions by the kernels (exact in fp32; in bf16 more exact than
+stock, which rounds positions past 256).
+
+Limits (raise ValueError): attention dropout; a per-key bias that is not linear in the key index; ulysses cannot do
+a query head count that does not divide by the group size.
 """
 from __future__ import annotations
 
@@ -54,15 +58,24 @@ from patches.attention import CONFIG_ATTR, SEQUENCE_PARALLEL_ATTR
 __all__ = ["SequenceParallelContext", "shard_batch", "sequence_parallel", "reduce_gradients", "group_loss"]
 
 MODES = ("ring", "ulysses")
-# Bloom, MPT and Falcon with ALiBi hand each layer a bias tensor the model computed from the positions IT sees: on a
-# shard those restart at 0, and a per-key bias cannot be re-based without knowing how it was made.
-PER_KEY_BIAS_REASON = ("the model computes it from the positions of this rank's shard, not the whole sequence's; "
-                       "train such models with one sequence per process")
 
 
-def uses_per_key_bias(config) -> bool:
-    """Whether a model of `config` hands its attention a per-key ALiBi bias (Bloom, MPT, Falcon with alibi)."""
-    return config.model_type in ("bloom", "mpt") or (config.model_type == "falcon" and bool(getattr(config, "alibi", False)))
+def linear_bias_slopes(key_bias: torch.Tensor, name: str = "the model") -> torch.Tensor:
+    """key_bias [B, H, n] equal to slope_h x (local key index) + a constant -> slopes [H] (fp32).
+
+    Raises ValueError when the bias is not that (to the rounding of its dtype): then it does not come from positions
+    0, 1, ... of this shard, and re-basing it on global positions would be wrong."""
+    n = key_bias.shape[-1]
+    if n < 2:
+        raise ValueError(f"sequence parallelism needs at least 2 tokens per rank to read {name}'s ALiBi slopes")
+    bias = key_bias.float()
+    slopes = bias[0, :, 1] - bias[0, :, 0]  # [H]
+    linear = bias[..., :1] + slopes[None, :, None] * torch.arange(n, device=bias.device, dtype=bias.dtype)
+    tolerance = 8 * torch.finfo(key_bias.dtype).eps * bias.abs().amax().clamp_min(1.0)
+    if (bias - linear).abs().amax() > tolerance:
+        raise ValueError(f"sequence parallelism needs {name}'s per-key ALiBi bias to be slope x key index (built "
+                         "without an attention_mask, as shard_batch's inputs do); this one is not")
+    return slopes
 IGNORE_INDEX = -100
 
 
@@ -86,8 +99,8 @@ class SequenceParallelContext:
                   key_bias, sinks, dropout, q_block, kv_block, compile):
         """q [B, Hq, n, D], k / v [B, Hkv, n, D]: this rank's shard -> its output shard [B, Hq, n, D]."""
         name = type(module).__name__
-        if key_bias is not None:
-            raise ValueError(f"sequence parallelism cannot do {name}'s per-key ALiBi bias: {PER_KEY_BIAS_REASON}")
+        if key_bias is not None:  # ALiBi built on this shard's own positions: re-based on the global ones
+            alibi_slopes, key_bias = linear_bias_slopes(key_bias, name), None
         if dropout:
             raise ValueError(f"sequence parallelism ({self.mode!r}, and 'ulysses' / 'ring' alike) cannot do "
                              f"attention dropout ({name}: p={dropout}); set the model's attention dropout to 0")

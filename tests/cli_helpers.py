@@ -30,6 +30,22 @@ def save_tiny_llama(directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
+def save_tiny_bloom(directory: Path) -> None:
+    """A tiny Bloom (ALiBi, no position limit) with the same char-level tokenizer, saved to `directory`."""
+    import torch
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from train.pretrain_tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = BloomConfig(vocab_size=len(tokenizer), hidden_size=64, n_layer=2, n_head=4,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    BloomForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
 def base_argv(tiny, out, *extra) -> list[str]:
     return ["--model_name_or_path", str(tiny / "model"), "--dataset", str(tiny / "data.jsonl"),
             "--output_dir", str(out), "--max_seq_len", "64", "--max_steps", "4", "--lora_r", "4",

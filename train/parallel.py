@@ -29,20 +29,15 @@ class Layout:
         return self.world // self.sequence_parallel
 
 
-def check_layout(args, world: int | None = None, config=None) -> None:
-    """UserError (before any model is loaded) when --sequence_parallel cannot split this launch (or this model)."""
+def check_layout(args, world: int | None = None) -> None:
+    """UserError (before any model is loaded) when --sequence_parallel cannot split this launch."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
     n = args.sequence_parallel
     if n == 1:
         return
     if not args.bpt:
         raise UserError("--sequence_parallel needs the blockwise patch (drop --no_bpt)")
-    if config is not None:
-        from patches.sequence_parallel import PER_KEY_BIAS_REASON, uses_per_key_bias
 
-        if uses_per_key_bias(config):
-            raise UserError(f"--sequence_parallel cannot split {config.model_type} models (per-key ALiBi bias): "
-                            f"{PER_KEY_BIAS_REASON} (drop --sequence_parallel)")
     if world % n:
         raise UserError(f"--sequence_parallel {n} must divide the number of processes ({world}); launch a multiple "
                         f"of {n} processes with accelerate launch --num_processes")

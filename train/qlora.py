@@ -148,7 +148,7 @@ def preflight(args: Args) -> Preflight:
     if args.bpt:
         check_bpt_support(config)
     check_packing(config, args.packing)
-    check_layout(args, config=config)
+    check_layout(args)
     use_launcher_fsdp(args)
     check_fsdp(args, config)
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
