@@ -55,7 +55,8 @@ from bpt.attention import segment_ids_from_position_ids
 from bpt.sequence_parallel import ring_attention, sequence_shard, ulysses_attention, zigzag_shard
 from patches.attention import CONFIG_ATTR, SEQUENCE_PARALLEL_ATTR
 
-__all__ = ["SequenceParallelContext", "shard_batch", "sequence_parallel", "reduce_gradients", "group_loss"]
+__all__ = ["SequenceParallelContext", "shard_batch", "sequence_parallel", "reduce_gradients", "group_loss",
+           "sequence_parallel_group"]
 
 MODES = ("ring", "ulysses")
 
@@ -115,6 +116,20 @@ class SequenceParallelContext:
                              f"over the {world} ranks of the group, so they must divide by {world}; use mode "
                              "'ring' for this head count")
         return ulysses_attention(query, key, value, key_bias=key_bias, sinks=sinks, **common)
+
+
+def sequence_parallel_group(size: int):
+    """This rank's group when the world splits into groups of `size` consecutive ranks (g*size .. g*size+size-1),
+    the layout train.qlora and patches.trainer use. Every rank must call it: every rank creates every group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"sequence-parallel groups of {size} must divide the {world} processes")
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = group
+    return mine
 
 
 def shard_batch(batch: dict, group=None, mode: str = "ring") -> tuple[dict, SequenceParallelContext]:

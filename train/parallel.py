@@ -50,10 +50,7 @@ def make_layout(accelerator, args) -> Layout:
     check_layout(args, world)
     group = None
     if n > 1:
-        import torch.distributed as dist
+        from patches.sequence_parallel import sequence_parallel_group
 
-        for first in range(0, world, n):
-            new = dist.new_group(list(range(first, first + n)))
-            if first <= rank < first + n:
-                group = new
+        group = sequence_parallel_group(n)
     return Layout(world=world, rank=rank, sequence_parallel=n, mode=args.sp_mode, group=group)

@@ -1,0 +1,63 @@
+"""One HF Trainer run for tests/test_trainer_sequence_parallel.py: `python sp_trainer_run.py OUT SP MODE` alone, or
+under torchrun with several processes. Writes OUT/result.pt on the main process: the logged losses and the trained
+LoRA weights. A tiny llama with LoRA, patched; 8 right-padded rows of 45 tokens; 3 steps of 2 rows."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def rows() -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(8):
+        length = 45 - 7 * (i % 3)
+        ids = torch.randint(3, 100, (length,), generator=generator).tolist()
+        out.append({"input_ids": ids})
+    return out
+
+
+def collate(batch: list[dict]) -> dict:
+    n = 45
+    ids = torch.zeros(len(batch), n, dtype=torch.long)
+    mask = torch.zeros(len(batch), n, dtype=torch.long)
+    for i, row in enumerate(batch):
+        ids[i, :len(row["input_ids"])] = torch.tensor(row["input_ids"])
+        mask[i, :len(row["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def main(out: str, sequence_parallel: int, mode: str) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from patches import apply_bpt_patch
+    from patches.trainer import SequenceParallelTrainer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    apply_bpt_patch(model, q_block=8, kv_block=8, mlp_chunk=8, loss_chunk=8)
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2 // (int(os.environ.get("WORLD_SIZE", 1))
+                                                                               // sequence_parallel),
+                             max_steps=3, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[],
+                             use_cpu=True, train_sampling_strategy="sequential", gradient_checkpointing=True,
+                             gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True,
+                             remove_unused_columns=False, seed=0)
+    trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=rows(), data_collator=collate,
+                                      sequence_parallel=sequence_parallel, sp_mode=mode)
+    trainer.train()
+    if trainer.is_world_process_zero():
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        from bpt.sequence_parallel import traffic
+
+        torch.save({"losses": losses, "lora": lora, "bytes_sent": traffic.total()}, os.path.join(out, "result.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
