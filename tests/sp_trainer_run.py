@@ -29,7 +29,12 @@ def collate(batch: list[dict]) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def main(out: str, sequence_parallel: int, mode: str) -> None:
+ARG_NAMES = ("output_dir", "per_device_train_batch_size", "max_steps", "learning_rate", "logging_steps",
+             "save_strategy", "report_to", "use_cpu", "train_sampling_strategy", "gradient_checkpointing",
+             "gradient_checkpointing_kwargs", "disable_tqdm", "remove_unused_columns", "seed")
+
+
+def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
@@ -48,8 +53,24 @@ def main(out: str, sequence_parallel: int, mode: str) -> None:
                              use_cpu=True, train_sampling_strategy="sequential", gradient_checkpointing=True,
                              gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True,
                              remove_unused_columns=False, seed=0)
-    trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=rows(), data_collator=collate,
-                                      sequence_parallel=sequence_parallel, sp_mode=mode)
+    if trainer_kind == "trl":  # TRL's SFTTrainer with its own collator, on pre-tokenized rows
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        from patches.trainer import SequenceParallelMixin
+
+        class SequenceParallelSFTTrainer(SequenceParallelMixin, SFTTrainer):
+            pass
+
+        from train.pretrain_tiny import build_tokenizer
+
+        args = SFTConfig(**{k: v for k, v in args.to_dict().items() if k in ARG_NAMES}, bf16=False, max_length=None)
+        trainer = SequenceParallelSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows()),
+                                             processing_class=build_tokenizer(), sequence_parallel=sequence_parallel,
+                                             sp_mode=mode)
+    else:
+        trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=rows(), data_collator=collate,
+                                          sequence_parallel=sequence_parallel, sp_mode=mode)
     trainer.train()
     if trainer.is_world_process_zero():
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -60,4 +81,4 @@ def main(out: str, sequence_parallel: int, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
