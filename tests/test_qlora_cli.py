@@ -222,6 +222,9 @@ def _bad_cases(tiny, tmp: Path) -> dict:
         "bits": (["--bits", "3"], "choose from 4, 8, 16"),
         "dropout": (["--lora_dropout", "1.5"], "--lora_dropout must be in [0, 1)"),
         "tracker missing": (["--report_to", "wandb", "--output_dir", str(tmp / "o3")], "pip install wandb"),
+        "passkey too short": (["--model_name_or_path", model, "--dataset", data, "--output_dir", str(tmp / "o4"),
+                               "--max_seq_len", "64", "--eval_passkey"],
+                              ("passkey length 64 is too short for this tokenizer", "at least")),
     }
 
 
@@ -229,7 +232,7 @@ BAD_CASE_NAMES = ["missing model", "model without config", "missing dataset", "m
                   "broken jsonl line", "all documents empty", "output dir not writable",
                   "too long, no rope", "rope factor too small", "unsupported family", "finished output dir",
                   "unfinished output dir", "missing checkpoint", "corrupt checkpoint", "bad yaml", "unknown yaml key",
-                  "unknown flag", "bits", "dropout", "tracker missing"]
+                  "unknown flag", "bits", "dropout", "tracker missing", "passkey too short"]
 
 
 @pytest.mark.parametrize("case", BAD_CASE_NAMES)

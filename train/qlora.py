@@ -153,6 +153,10 @@ def preflight(args: Args) -> Preflight:
     check_fsdp(args, config)
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    if args.eval_passkey:  # found now, not after training
+        from train.eval import check_passkey_lengths
+
+        check_passkey_lengths(tokenizer, args.eval_lengths or [args.max_seq_len])
     return Preflight(config, tokenizer, rope_factor, resume_path)
 
 
