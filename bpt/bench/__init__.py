@@ -4,11 +4,12 @@ Run it as `python -m bpt.bench` (flags: `--help`); `main` is the same entry poin
 
 - `models`: the model presets, config resolution and building a stock or patched model
 - `measure`: what one step adds in memory and time, the memory probe and the training run
-- `workers`: one fresh process per run (`--worker SPEC.json`), its environment and failure messages
-- `report`: summary rows, growth and targets, the printed table, environment and JSON/CSV files
+- `workers`: one fresh process per run (`--worker SPEC.json`) or per rank of a group, environment, failure messages
+- `sequence_parallel`: the `--sequence_parallel` mode's rank worker, its per-group result and the traffic formula
+- `report`: summary rows, growth and targets, the printed tables, environment and JSON/CSV files
 - `cli`: flags, their validation, the sweep (with --find_max) and `main`
 
-Only `models` (and `cli`, to validate the inputs) import transformers, peft and `patches`, and only
+Only `models`, `sequence_parallel` (and `cli`, to validate the inputs) import transformers, peft and `patches`, and only
 inside functions, so `import bpt.bench` works without transformers.
 """
 from bpt.bench.cli import main

@@ -3,9 +3,11 @@
     python -m bpt.bench --model llama-ref --seq_lens 4096 8192 16384
     python -m bpt.bench --model llama-3-8b --dtype bf16 --seq_lens 8192 16384 --find_max --max_len 524288
     python -m bpt.bench --model path/to/config.json --sides patched --lora --output bench_results/x.json
+    python -m bpt.bench --sequence_parallel 1 2 4 --sp_mode ring ulysses --lora --seq_lens 8192 32768
 
 - `build_parser`, `validate`: the flags, and every input checked before any work (errors exit with status 2)
 - `run_spec`, `sweep`: one worker spec per (side, seq_len), all lengths, then --find_max doubling
+- `sp_sweep`: with --sequence_parallel, one process group per size N running every (length, mode)
 - `main`: probe, sweep, summary, output files; or, with `--worker`, the worker process itself
 """
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import Callable
 import torch
 
 from bpt.bench.models import PRESETS, SIDES, resolve_model_config
-from bpt.bench.report import environment, format_report, summarize, write_outputs
-from bpt.bench.workers import run_worker, worker_main
+from bpt.bench.report import (environment, format_report, format_sp_report, summarize, summarize_sp,
+                              write_outputs)
+from bpt.bench.sequence_parallel import SP_MODES, combine
+from bpt.bench.workers import run_ranks, run_worker, worker_main
 from bpt.config import BPTConfig
 
 
@@ -53,11 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--find_max", action="store_true",
                    help="after the sweep, double the length per side until a run fails or --max_len")
     p.add_argument("--max_len", type=int, default=None, help="cap of --find_max (required with it)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per run before it is killed and failed")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per run before it is killed and failed (with --sequence_parallel: per group of N "
+                        "processes, all its lengths and modes)")
     p.add_argument("--malloc", choices=("mmap", "default"), default="mmap",
                    help="glibc malloc setting of CPU workers (see worker_env); 'default' only to compare")
     p.add_argument("--output", type=Path, default=None,
                    help="result JSON (a CSV is written next to it); default bench_results/<model>-<time>.json")
+    p.add_argument("--sequence_parallel", type=int, nargs="+", default=None, metavar="N",
+                   help="sequence-parallel mode: per N, N processes (gloo on CPU, NCCL on CUDA: one GPU per rank) "
+                        "each hold a shard of every sequence; patched side only")
+    p.add_argument("--sp_mode", nargs="+", choices=SP_MODES, default=["ring"], help="with --sequence_parallel")
     p.add_argument("--worker", metavar="SPEC_JSON", help=argparse.SUPPRESS)
     return p
 
@@ -99,11 +109,39 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
             from patches import apply_bpt_patch  # noqa: F401
         except ImportError as error:
             p.error(f"the patched side needs patches.apply_bpt_patch ({error}); run with --sides stock")
+    if args.sequence_parallel is not None:
+        validate_sp(p, args)
     longest = max(args.seq_lens + ([args.max_len] if args.find_max else []))
     try:
-        return resolve_model_config(args.model, longest)
+        config = resolve_model_config(args.model, longest)
     except ValueError as error:
         p.error(str(error))
+    if args.sequence_parallel is not None and "ulysses" in args.sp_mode:
+        from transformers import AutoConfig
+
+        heads = AutoConfig.for_model(**config).num_attention_heads
+        bad = [n for n in args.sequence_parallel if heads % n]
+        if bad:
+            p.error(f"--sp_mode ulysses splits the {heads} query heads of --model {args.model} over N ranks, so "
+                    f"every --sequence_parallel size must divide {heads}; got {bad} (use --sp_mode ring for them)")
+    return config
+
+
+def validate_sp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The sequence-parallel flags (errors exit with status 2)."""
+    bad = [n for n in args.sequence_parallel if n < 1]
+    if bad:
+        p.error(f"--sequence_parallel sizes must be >= 1 (processes per sequence), got {bad}")
+    args.sequence_parallel = sorted(set(args.sequence_parallel))
+    args.sp_mode = [m for m in SP_MODES if m in args.sp_mode]
+    if args.find_max:
+        p.error("--find_max does not combine with --sequence_parallel; give the lengths with --seq_lens")
+    if "patched" not in args.sides:
+        p.error("--sequence_parallel runs the patched model only (sequence parallelism is part of the patch); "
+                "drop --sides stock")
+    if args.device == "cuda" and max(args.sequence_parallel) > torch.cuda.device_count():
+        p.error(f"--sequence_parallel {max(args.sequence_parallel)} on CUDA needs one GPU per rank; "
+                f"{torch.cuda.device_count()} visible")
 
 
 def run_spec(args: argparse.Namespace, model_config: dict, side: str, seq_len: int) -> dict:
@@ -158,7 +196,45 @@ def sweep(args: argparse.Namespace, model_config: dict, runner: Callable[[dict],
     return runs, found
 
 
-def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = None) -> dict:
+def sp_sweep(args: argparse.Namespace, model_config: dict, group_runner: Callable[[dict, int], dict],
+             after_group: Callable[[list], None] = lambda runs: None) -> list:
+    """Per size N one group of N processes running every (length, mode); -> one run per (mode, N, length).
+    after_group(runs so far) is called after each group (main writes the output files there: a long sweep that
+    is killed keeps the groups it finished)."""
+    spec = run_spec(args, model_config, "patched", max(args.seq_lens)) | {
+        "task": "sp_train", "seq_lens": args.seq_lens, "sp_modes": args.sp_mode,
+        "comm_timeout": args.timeout or 1800}  # a rank waiting on a lost peer errors out after this
+    runs = []
+    for world in args.sequence_parallel:
+        print(f"[sp {world}] {world} process(es), lengths {args.seq_lens}, modes {args.sp_mode} ...", flush=True)
+        result = group_runner(spec, world)
+        per_rank = [r["runs"] for r in result["ranks"]]  # [rank][run]; partial when the group failed
+        done = min((len(r) for r in per_rank), default=0)
+        for i in range(done):
+            run = {"world": world, **combine([runs_of_rank[i] for runs_of_rank in per_rank], args.batch_size)}
+            runs.append(run)
+            print(f"[sp {world} {run['mode']:7s} {run['seq_len']:>7d}] {run['step_mib']:9.1f} MiB/step (max rank)  "
+                  f"{run['median_s']:8.3f} s/step  sent {run['sent_mib']:9.1f} MiB (theory "
+                  f"{run['theory_mib']:.1f})  loss {run['loss']:.4f}", flush=True)
+        todo = [(n, m) for n in args.seq_lens for m in args.sp_mode][done:]
+        for seq_len, mode in todo:  # not reached: the group failed first
+            runs.append({"world": world, "mode": mode, "seq_len": seq_len, "ok": False, "error": result["error"]})
+            print(f"[sp {world} {mode:7s} {seq_len:>7d}] FAILED: {result['error']}", flush=True)
+        after_group(runs)
+    return runs
+
+
+def sp_report(args: argparse.Namespace, model_config: dict, probe: dict, runs: list) -> dict:
+    """The JSON report of the sequence-parallel mode (the runs so far)."""
+    env = environment(args, model_config, runs, probe) | {
+        "sequence_parallel": args.sequence_parallel, "sp_mode": args.sp_mode,
+        "backend": "nccl" if args.device == "cuda" else "gloo"}
+    summary = summarize_sp(runs, args.seq_lens, args.sequence_parallel, args.sp_mode)
+    return {"environment": env, "summary": summary, "find_max": {}, "runs": runs}
+
+
+def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = None,
+         group_runner: Callable[[dict, int], dict] | None = None) -> dict:
     p = build_parser()
     args = p.parse_args(argv)
     if args.worker:
@@ -174,15 +250,24 @@ def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = 
     else:
         print(f"memory probe failed: {probe['error']}")
 
-    runs, found = sweep(args, model_config, runner)
-    summary = summarize(runs, args.seq_lens)
-    report = {"environment": environment(args, model_config, runs, probe), "summary": summary,
-              "find_max": found, "runs": runs}
     model_name = args.model if args.model in PRESETS else Path(args.model).stem
-    output = args.output or Path("bench_results") / (
-        f"{model_name}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
-    csv_path = write_outputs(output, report)
+    stamp = lambda: datetime.datetime.now().strftime('%Y%m%d-%H%M%S')  # noqa: E731
+    if args.sequence_parallel is None:
+        runs, found = sweep(args, model_config, runner)
+        report = {"environment": environment(args, model_config, runs, probe),
+                  "summary": summarize(runs, args.seq_lens), "find_max": found, "runs": runs}
+        table = format_report(report["summary"], found)
+        output = args.output or Path("bench_results") / f"{model_name}-{stamp()}.json"
+        csv_path = write_outputs(output, report)
+    else:
+        output = args.output or Path("bench_results") / f"{model_name}-sp-{stamp()}.json"
+        group_runner = group_runner or (lambda spec, world: run_ranks(spec, world, args.timeout))
+        runs = sp_sweep(args, model_config, group_runner,
+                        lambda runs: write_outputs(output, sp_report(args, model_config, probe, runs)))
+        report = sp_report(args, model_config, probe, runs)
+        table = format_sp_report(report["summary"])
+        csv_path = write_outputs(output, report)
     print()
-    print(format_report(summary, found))
+    print(table)
     print(f"\nwrote {output} and {csv_path}")
     return report

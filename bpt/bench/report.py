@@ -2,6 +2,7 @@
 
 - `summarize`: per-length rows (stock vs patched), memory growth per side, the acceptance targets
 - `format_report`: the table and verdict lines printed at the end of a sweep
+- `summarize_sp`, `format_sp_report`: the same for the sequence-parallel mode (per mode, size N and length)
 - `environment`: versions, device, model and flags, recorded with every result
 - `write_outputs`: the JSON with everything and a CSV next to it, one row per length
 """
@@ -109,6 +110,81 @@ def format_report(summary: dict, find_max: dict) -> str:
         lines.append(f"target {name} <= {t['limit']:.3g}: {_fmt(t['value'], '.4f')} ({verdict})")
     for side, f in find_max.items():
         lines.append(f"find_max {side}: longest ok {f['longest_ok']}, first failed {f['first_failed']} ({f['reason']})")
+    return "\n".join(lines)
+
+
+# Sequence-parallel targets (reported, never asserted): size N -> limit of its memory growth per 1K tokens as a
+# fraction of N = 1's (same mode, smallest to largest length).
+SP_GROWTH_TARGETS = {2: 0.55, 4: 0.30}
+SP_TRAFFIC_TOLERANCE = 0.10  # bytes counted at the communication calls vs the algorithm's formula
+
+
+def summarize_sp(runs: list[dict], seq_lens: list[int], worlds: list[int], modes: list[str]) -> dict:
+    """Rows per (mode, N, length), memory growth per (mode, N) and its ratio to N = 1, and the targets."""
+    by_key = {(r["mode"], r["world"], r["seq_len"]): r for r in runs}
+    rows = []
+    for mode in modes:
+        for world in worlds:
+            for seq_len in seq_lens:
+                run = by_key.get((mode, world, seq_len), {"ok": False, "error": "not run"})
+                ok = run["ok"]
+                get = lambda key: run[key] if ok else None  # noqa: E731
+                rows.append({"mode": mode, "world": world, "seq_len": seq_len, "step_mib": get("step_mib"),
+                             "step_s": get("median_s"), "tok_s": get("tokens_per_s"), "sent_mib": get("sent_mib"),
+                             "theory_mib": get("theory_mib"), "sent_over_theory": get("sent_over_theory"),
+                             "grad_allreduce_mib": None if not ok else run["grad_allreduce_payload_bytes"] / 2**20,
+                             "status": "ok" if ok else "failed: " + run["error"]})
+    small, large = min(seq_lens), max(seq_lens)
+    growth = {}
+    for mode in modes:
+        per = {}
+        for world in worlds:
+            lo, hi = (by_key.get((mode, world, n), {}) for n in (small, large))
+            if lo.get("ok") and hi.get("ok") and large > small:
+                per[world] = (hi["step_mib"] - lo["step_mib"]) / ((large - small) / 1024)  # MiB per 1K tokens
+        growth[mode] = {"mib_per_1k_tokens": per,
+                        "ratio_to_sp1": {w: _ratio(g, per.get(1)) for w, g in per.items()}}
+    targets = {}
+    for mode in modes:
+        for world, limit in SP_GROWTH_TARGETS.items():
+            if world in worlds:
+                got = growth[mode]["ratio_to_sp1"].get(world)
+                targets[f"{mode}_growth_ratio_sp{world}"] = {
+                    "limit": limit, "value": got, "met": None if got is None else got <= limit}
+    deviations = [abs(r["sent_over_theory"] - 1) for r in rows if r["sent_over_theory"] is not None]
+    worst = max(deviations, default=None)
+    targets["traffic_vs_theory"] = {"limit": SP_TRAFFIC_TOLERANCE, "value": worst,
+                                    "met": None if worst is None else worst <= SP_TRAFFIC_TOLERANCE}
+    return {"rows": rows, "growth": {"from_seq_len": small, "to_seq_len": large, **growth}, "targets": targets}
+
+
+def format_sp_report(summary: dict) -> str:
+    cols = [("mode", "mode", "s"), ("N", "world", "d"), ("seq_len", "seq_len", "d"),
+            ("MiB/rank", "step_mib", ".1f"), ("s/step", "step_s", ".2f"), ("tok/s", "tok_s", ".0f"),
+            ("sent MiB", "sent_mib", ".1f"), ("theory MiB", "theory_mib", ".1f"),
+            ("sent/theory", "sent_over_theory", ".4f")]
+    widths = [max(len(title), 8) for title, _, _ in cols]
+    lines = ["  ".join(title.rjust(w) for (title, _, _), w in zip(cols, widths))]
+    for row in summary["rows"]:
+        lines.append("  ".join(_fmt(row[key], spec).rjust(w) for (_, key, spec), w in zip(cols, widths)))
+    lines.append("MiB/rank: peak step memory, max over ranks; sent: bytes per rank per step through the ring P2P / "
+                 "Ulysses all-to-all (gradient all-reduce excluded)")
+    for row in summary["rows"]:
+        if row["status"] != "ok":
+            lines.append(f"  {row['mode']} N={row['world']} @ {row['seq_len']}: {row['status']}")
+    g = summary["growth"]
+    if g["from_seq_len"] == g["to_seq_len"]:
+        lines.append("memory growth: needs at least two lengths")
+    for mode in (k for k in g if k not in ("from_seq_len", "to_seq_len")):
+        per, ratio = g[mode]["mib_per_1k_tokens"], g[mode]["ratio_to_sp1"]
+        parts = [f"N={w}: {per[w]:.2f} ({_fmt(ratio[w], '.3f')}x N=1)" for w in per]
+        if parts:
+            lines.append(f"memory growth {mode} {g['from_seq_len']} -> {g['to_seq_len']} (MiB per 1K tokens per rank): "
+                         + ", ".join(parts))
+    for name, t in summary["targets"].items():
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        rel = "|sent/theory - 1|" if name == "traffic_vs_theory" else "growth / N=1 growth"
+        lines.append(f"target {name} ({rel}) <= {t['limit']:.3g}: {_fmt(t['value'], '.4f')} ({verdict})")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """One run per fresh process: a run's memory never pollutes another, and a run that dies is a failed result.
 
 - `run_worker`: parent side; writes the spec json, runs `python -m bpt.bench --worker SPEC.json`, reads the result
+- `run_ranks`: the same for a process group: one worker per rank, a failed or late rank stops the whole group
 - `worker_env`: the worker's environment (glibc malloc thresholds, PYTHONPATH to this checkout)
 - `worker_main`: child side; runs the probe or training task of the spec, writes the result json
 - `describe_exit`, `_oom_message`: why a run failed, in one line (killed, exit status, out of memory)
@@ -10,15 +11,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
 import torch
 
 from bpt.bench.measure import run_probe, run_training
+from bpt.bench.sequence_parallel import run_sp_group
+
+TASKS = {"probe": run_probe, "train": run_training, "sp_train": run_sp_group}
 
 
 def worker_env(malloc: str) -> dict:
@@ -60,7 +66,7 @@ def worker_main(spec_path: str) -> int:
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     try:
-        result = run_probe(spec) if spec["task"] == "probe" else run_training(spec)
+        result = TASKS[spec["task"]](spec)
     except Exception as error:  # recorded as a failed run; the parent's sweep goes on
         lines = str(error).strip().splitlines() or [""]
         result = {"ok": False, "error": _oom_message(error) or f"{type(error).__name__}: {lines[0][:300]}",
@@ -100,3 +106,61 @@ def run_worker(spec: dict, timeout: float | None = None) -> dict:
             with open(spec["result_path"]) as f:
                 return json.load(f)
         return {"ok": False, "error": describe_exit(proc.returncode, proc.stderr)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(spec: dict, world: int, timeout: float | None = None) -> dict:
+    """Run one spec on `world` fresh worker processes (ranks 0..world-1 of one group, rendezvous on a local port).
+
+    -> {"ok": True, "ranks": [each rank's result]} or {"ok": False, "error": one line, "ranks": [partial results
+    of the ranks that wrote some]}. The first rank that exits unsuccessfully, or the wall-clock `timeout`, ends
+    the group: the other ranks are killed rather than left waiting in a collective.
+    """
+    with tempfile.TemporaryDirectory(prefix="bpt-bench-sp-") as tmp:
+        port, procs, logs = _free_port(), [], []
+        for rank in range(world):
+            rank_spec = {**spec, "rank": rank, "world": world, "port": port,
+                         "result_path": os.path.join(tmp, f"result{rank}.json")}
+            spec_path = os.path.join(tmp, f"spec{rank}.json")
+            with open(spec_path, "w") as f:
+                json.dump(rank_spec, f)
+            logs.append(open(os.path.join(tmp, f"stderr{rank}.txt"), "w+"))  # a file: a pipe could fill and block
+            procs.append(subprocess.Popen([sys.executable, "-m", "bpt.bench", "--worker", spec_path],
+                                          env=worker_env(spec["malloc"]), stdout=subprocess.DEVNULL, stderr=logs[-1]))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failed = None
+        while failed is None and any(p.poll() is None for p in procs):
+            failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+            if failed is None and deadline is not None and time.monotonic() > deadline:
+                failed = "timeout"
+            time.sleep(0.2)
+        failed = failed if failed is not None else next((r for r, p in enumerate(procs) if p.returncode), None)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        results, partial = [], []
+        for rank, log in enumerate(logs):
+            path = os.path.join(tmp, f"result{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results.append(json.load(f))
+            else:
+                log.seek(0)
+                results.append({"ok": False, "error": describe_exit(procs[rank].returncode, log.read())})
+            log.close()
+            if os.path.exists(path + ".partial"):
+                with open(path + ".partial") as f:
+                    partial.append(json.load(f))
+        if failed is None:
+            return {"ok": True, "ranks": results}
+        if failed == "timeout":
+            error = f"timed out after {timeout:g} s"
+        else:
+            error = f"rank {failed} of {world}: {results[failed]['error']}"
+        return {"ok": False, "error": error, "ranks": partial if len(partial) == world else []}
