@@ -100,3 +100,20 @@ def test_qlora_cli_4bit_step_on_cuda(tmp_path):
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     assert losses and all(loss == loss for loss in losses)
+
+
+def test_sequence_parallel_bench_on_nccl(tmp_path):
+    """The sequence-parallel bench on CUDA: NCCL groups of 1 and (with 2 GPUs) 2 ranks, ring and Ulysses, bf16,
+    every run finished and its bytes sent equal to the algorithm's volume."""
+    from bpt.bench import main
+
+    worlds = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+    output = tmp_path / "sp.json"
+    main(["--model", "tiny", "--lora", "--dtype", "bf16", "--sequence_parallel", *map(str, worlds), "--sp_mode",
+          "ring", "ulysses", "--seq_lens", "1000", "4096", "--steps", "1", "--device", "cuda", "--timeout", "600",
+          "--output", str(output)])
+    report = json.loads(output.read_text())
+    assert report["environment"]["backend"] == "nccl"
+    for run in report["runs"]:
+        assert run["ok"], run
+        assert run["sent_bytes"] == run["theory_bytes"], run
