@@ -33,3 +33,30 @@ def case_inputs(case: tuple, seed: int):
     if options.get("key_bias") == "key_bias":
         options["key_bias"] = torch.randn(b, hq, n, generator=gen)
     return q, k, v, dout, options, n
+
+
+def blockwise_reference(q, k, v, dout, options) -> dict:
+    """Single-process blockwise_attention on the global inputs: out and the gradients of q / k / v (and sinks)."""
+    from bpt.attention import blockwise_attention
+
+    options = dict(options)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    if "sinks" in options:
+        options["sinks"] = options["sinks"].clone().requires_grad_()
+    out = blockwise_attention(q, k, v, **options)
+    out.backward(dout)
+    reference = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if "sinks" in options:
+        reference["dsinks"] = options["sinks"].grad
+    return reference
+
+
+def relative_errors(per_rank: dict, reference: dict, unshard, n: int) -> dict:
+    """{key: max abs error / max abs of the reference}: per-rank shards joined by unshard(shards, dim, seq_len=n);
+    the sinks' gradient (one share per rank) summed over the ranks."""
+    errors = {}
+    for key, want in reference.items():
+        got = (torch.stack(per_rank[key]).sum(0) if key == "dsinks"
+               else unshard(per_rank[key], 2, seq_len=n)).float()
+        errors[key] = ((got - want).abs().max() / want.abs().max()).item()
+    return errors

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bpt.attention import blockwise_attention
-from attention_cases import case_inputs
+from attention_cases import blockwise_reference, case_inputs, relative_errors
 from gloo_processes import results_per_world
 from bpt.sequence_parallel.ring import ring_attention, zigzag_positions, zigzag_shard, zigzag_unshard
 
@@ -105,26 +105,12 @@ _REFERENCE = {}
 
 def _reference(name):
     if name not in _REFERENCE:
-        q, k, v, dout, options, _ = _inputs(name)
-        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        if "sinks" in options:
-            options["sinks"] = options["sinks"].clone().requires_grad_()
-        out = blockwise_attention(q, k, v, **options)
-        out.backward(dout)
-        _REFERENCE[name] = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-        if "sinks" in options:
-            _REFERENCE[name]["dsinks"] = options["sinks"].grad
+        _REFERENCE[name] = blockwise_reference(*_inputs(name)[:5])
     return _REFERENCE[name]
 
 
 def _errors(got_shards, ref_name, n):
-    ref = _reference(ref_name)
-    errors = {}
-    for key, want in ref.items():  # the sinks' gradient: summed over the ranks
-        got = (torch.stack(got_shards[key]).sum(0) if key == "dsinks"
-               else zigzag_unshard(got_shards[key], 2, seq_len=n)).float()
-        errors[key] = ((got - want).abs().max() / want.abs().max()).item()
-    return errors
+    return relative_errors(got_shards, _reference(ref_name), zigzag_unshard, n)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bpt.attention import blockwise_attention
-from attention_cases import case_inputs
+from attention_cases import blockwise_reference, case_inputs, relative_errors
 from gloo_processes import results_per_world
 from bpt.sequence_parallel.ulysses import (kv_head_ranges, sequence_positions, sequence_shard, sequence_unshard,
                          ulysses_attention)
@@ -98,25 +98,12 @@ _REFERENCE = {}
 
 def _reference(name):
     if name not in _REFERENCE:
-        q, k, v, dout, options, _ = _inputs(name)
-        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        if "sinks" in options:
-            options["sinks"] = options["sinks"].clone().requires_grad_()
-        out = blockwise_attention(q, k, v, **options)
-        out.backward(dout)
-        _REFERENCE[name] = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
-        if "sinks" in options:
-            _REFERENCE[name]["dsinks"] = options["sinks"].grad
+        _REFERENCE[name] = blockwise_reference(*_inputs(name)[:5])
     return _REFERENCE[name]
 
 
 def _errors(got, ref_name, n):
-    """Max abs error / max abs of the reference, per output (sinks' gradient: summed over the ranks)."""
-    errors = {}
-    for key, want in _reference(ref_name).items():
-        full = torch.stack(got[key]).sum(0) if key == "dsinks" else sequence_unshard(got[key], 2, seq_len=n)
-        errors[key] = ((full - want).abs().max() / want.abs().max()).item()
-    return errors
+    return relative_errors(got, _reference(ref_name), sequence_unshard, n)
 
 
 @pytest.mark.parametrize("world", WORLDS)
