@@ -43,18 +43,15 @@ class SequenceParallelMixin:
         super().__init__(*args, **kwargs)
         self.sequence_parallel, self.sp_mode, self.sp_group = sequence_parallel, sp_mode, None
         if sequence_parallel > 1:
-            world = self.accelerator.num_processes
-            if world % sequence_parallel:
-                raise ValueError(f"sequence_parallel={sequence_parallel} must divide the number of processes ({world})")
-            self.sp_group = sequence_parallel_group(sequence_parallel)
+            self.sp_group = sequence_parallel_group(sequence_parallel)  # raises unless N divides the processes
 
     def get_cp_size(self) -> int:
         return self.sequence_parallel
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
-        batches = getattr(loader, "batch_sampler", None)
         if self.sequence_parallel > 1:
+            batches = getattr(loader, "batch_sampler", None)
             if not hasattr(batches, "process_index"):
                 raise ValueError("sequence parallelism needs a map-style train_dataset (with a length), so the ranks "
                                  "of a group can read the same rows")
@@ -66,9 +63,8 @@ class SequenceParallelMixin:
     def _prepare_context_parallel_inputs(self, model, inputs):
         if self.sequence_parallel == 1 or not model.training:
             return super()._prepare_context_parallel_inputs(model, inputs)
-        inputs = self._prepare_inputs(inputs)
-        local, context = shard_batch({k: v for k, v in inputs.items() if k != "use_cache"}, self.sp_group,
-                                     self.sp_mode)
+        inputs = self._prepare_inputs(inputs)  # on the device first: the context's masks are built from them
+        local, context = shard_batch(inputs, self.sp_group, self.sp_mode)
         local.pop("num_items_in_batch")  # the Trainer passes its own count (the same, over every group)
         patched = self.accelerator.unwrap_model(model)
         return (lambda: sequence_parallel(patched, context)), local

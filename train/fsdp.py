@@ -31,14 +31,10 @@ from train.errors import UserError
 LAUNCHER_FSDP_ENV = "ACCELERATE_USE_FSDP"  # set by `accelerate launch` for a config with distributed_type FSDP
 
 
-def launched_with_fsdp() -> bool:
-    return os.environ.get(LAUNCHER_FSDP_ENV, "false").lower() == "true"
-
-
 def use_launcher_fsdp(args) -> None:
     """A launch with an accelerate FSDP config means --fsdp; accelerate is then kept from wrapping the model
     itself (its plugin would replace our sharding plan)."""
-    if launched_with_fsdp():
+    if os.environ.get(LAUNCHER_FSDP_ENV, "false").lower() == "true":
         args.fsdp = True
         os.environ[LAUNCHER_FSDP_ENV] = "false"
 

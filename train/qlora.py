@@ -520,8 +520,7 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
     FSDP every rank decodes, as every forward gathers the shards), printed, logged to the tracker at `step` and
     written to eval.json under `when` ("before"/"after") beside the earlier results in `evals`."""
 
-    def evaluate(result: dict | None = None) -> dict:
-        result = result or passkey_eval(accelerator.unwrap_model(model), tokenizer, args)
+    def report(result: dict) -> dict:
         lengths = ", ".join(f"{length}: {acc:.3f}" for length, acc in result["by_length"].items())
         print(f"passkey accuracy {when} training: {result['accuracy']:.3f} (by length {lengths})", flush=True)
         _write_json(eval_path, {**evals, when: result})
@@ -531,10 +530,12 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
                             step=step)
         return result
 
-    if args.fsdp:
-        result = passkey_eval(accelerator.unwrap_model(model), tokenizer, args)
-        return on_main(accelerator, lambda: evaluate(result)) or result
-    return on_main(accelerator, evaluate)
+    evaluate = lambda: passkey_eval(accelerator.unwrap_model(model), tokenizer, args)  # noqa: E731
+    if args.fsdp:  # every rank takes part in the forwards; the main one reports
+        result = evaluate()
+        on_main(accelerator, lambda: report(result))
+        return result
+    return on_main(accelerator, lambda: report(evaluate()))
 
 
 def _write_json(path: str, data: dict) -> None:
