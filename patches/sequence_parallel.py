@@ -4,13 +4,13 @@ A user's own training loop (every rank of `group` holds the SAME global batch; `
 apply_bpt_patch, optionally LoRA-wrapped before patching)::
 
     import torch.distributed as dist
-    from patches import apply_bpt_patch, shard_batch, sequence_parallel, reduce_gradients, group_loss
+    from patches import apply_bpt_patch, shard_batch, sequence_parallel_attention, reduce_gradients, group_loss
 
     apply_bpt_patch(model)
     group = dist.new_group(ranks)                      # or None: the whole world
     for batch in loader:                               # GLOBAL batch: input_ids [B, N], labels [B, N],
         local, context = shard_batch(batch, group, "ring")   # attention_mask or position_ids [B, N]
-        with sequence_parallel(model, context):
+        with sequence_parallel_attention(model, context):
             loss = model(**local).loss                 # this rank's share: its token losses / global count
             loss.backward()                            # inside the block (gradient checkpointing recomputes here)
         reduce_gradients(model, group)                 # SUM over the group (not DDP; see below)
@@ -23,7 +23,7 @@ apply_bpt_patch, optionally LoRA-wrapped before patching)::
   attention_mask: transformers' own rule) and splits everything into the mode's layout: "ring" (zigzag,
   `bpt.sequence_parallel.ring`) or "ulysses" (contiguous, `bpt.sequence_parallel.ulysses`). Any length works: the
   sequence is padded at its end to the layout's multiple and the pad tokens are hidden from every query.
-- Under `sequence_parallel(model, context)` every patched attention module of `model` calls ring_attention /
+- Under `sequence_parallel_attention(model, context)` every patched attention module of `model` calls ring_attention /
   ulysses_attention with the context's group, true length, padding mask and segment ids; the sliding window
   still comes from the per-layer mask transformers builds. Backward must run inside the block when the model
   uses gradient checkpointing (the recomputed forward needs the context); otherwise only the forward must.
@@ -55,7 +55,7 @@ from bpt.attention import segment_ids_from_position_ids
 from bpt.sequence_parallel import ring_attention, sequence_shard, ulysses_attention, zigzag_shard
 from patches.attention import CONFIG_ATTR, SEQUENCE_PARALLEL_ATTR
 
-__all__ = ["SequenceParallelContext", "shard_batch", "sequence_parallel", "reduce_gradients", "group_loss",
+__all__ = ["SequenceParallelContext", "shard_batch", "sequence_parallel_attention", "reduce_gradients", "group_loss",
            "sequence_parallel_group"]
 
 MODES = ("ring", "ulysses")
@@ -188,14 +188,14 @@ def shard_batch(batch: dict, group=None, mode: str = "ring") -> tuple[dict, Sequ
 
 
 @contextlib.contextmanager
-def sequence_parallel(model, context: SequenceParallelContext):
+def sequence_parallel_attention(model, context: SequenceParallelContext):
     """Within the block, every patched attention module of `model` (plain or peft-wrapped) runs the context's
     sequence-parallel attention on its local shard; on exit each module's previous state is restored."""
     if not isinstance(context, SequenceParallelContext):
-        raise TypeError(f"sequence_parallel needs the context shard_batch returned, got {type(context).__name__}")
+        raise TypeError(f"sequence_parallel_attention needs the context shard_batch returned, got {type(context).__name__}")
     modules = [m for m in model.modules() if getattr(m, CONFIG_ATTR, None) is not None]
     if not modules:
-        raise ValueError("sequence_parallel needs a model patched with apply_bpt_patch (no patched attention found)")
+        raise ValueError("sequence_parallel_attention needs a model patched with apply_bpt_patch (no patched attention found)")
     missing = object()
     previous = [m.__dict__.get(SEQUENCE_PARALLEL_ATTR, missing) for m in modules]
     try:

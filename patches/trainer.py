@@ -13,7 +13,7 @@ training sequence (patches.sequence_parallel), data parallel over the groups.
 
 How it plugs in (transformers' own hooks for its context parallelism, which this replaces):
 - `_prepare_context_parallel_inputs`: each training batch is split by `shard_batch` and the step's forward and
-  backward run inside `sequence_parallel(model, ...)` (gradient checkpointing recomputes inside it too).
+  backward run inside `sequence_parallel_attention(model, ...)` (gradient checkpointing recomputes inside it too).
 - `get_cp_size`: N, so the Trainer divides its token count (gathered over all processes) by the N copies of each row
   and counts the data-parallel world as world / N. Its usual loss x world (undoing DDP's mean) then gives every
   process's gradient the sum over the group, as the split requires.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from patches.sequence_parallel import MODES, sequence_parallel, sequence_parallel_group, shard_batch
+from patches.sequence_parallel import MODES, sequence_parallel_attention, sequence_parallel_group, shard_batch
 
 __all__ = ["SequenceParallelMixin", "SequenceParallelTrainer"]
 
@@ -67,7 +67,7 @@ class SequenceParallelMixin:
         local, context = shard_batch(inputs, self.sp_group, self.sp_mode)
         local.pop("num_items_in_batch")  # the Trainer passes its own count (the same, over every group)
         patched = self.accelerator.unwrap_model(model)
-        return (lambda: sequence_parallel(patched, context)), local
+        return (lambda: sequence_parallel_attention(patched, context)), local
 
 
 class SequenceParallelTrainer(SequenceParallelMixin, Trainer):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from patches import SequenceParallelContext, apply_bpt_patch, group_loss, reduce_gradients, sequence_parallel, \
-    shard_batch
+from patches import (SequenceParallelContext, apply_bpt_patch, group_loss, reduce_gradients,
+                     sequence_parallel_attention, shard_batch)
 from patches.attention import SEQUENCE_PARALLEL_ATTR
 from gloo_processes import run_on_ranks
 from test_patches import SMALL_BLOCKS, make_batch
@@ -81,7 +81,7 @@ def _run_case(name, group, world):
     model_name, kind, mode, lora = CASES[name]
     model = _model(model_name, lora)
     local, context = shard_batch(_batch(kind), group, mode)
-    with sequence_parallel(model, context):
+    with sequence_parallel_attention(model, context):
         loss = model(**local).loss
         loss.backward()
     reduce_gradients(model, group)
@@ -98,7 +98,7 @@ def _run_local_shift(group, world):
     rank = torch.distributed.get_rank(group)
     labels = zigzag_shard(batch["labels"], 1, rank, world, pad_value=-100)
     local["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
-    with sequence_parallel(model, context):
+    with sequence_parallel_attention(model, context):
         loss = model(**local).loss
     return {"loss": group_loss(loss, group)}
 
@@ -110,7 +110,7 @@ def _run_ddp(group, world):
     model = _model("llama", False)
     ddp = DistributedDataParallel(model, process_group=torch.distributed.new_group(list(range(world))))
     local, context = shard_batch(_batch("left_padded"), group, "ring")
-    with sequence_parallel(model, context):
+    with sequence_parallel_attention(model, context):
         loss = ddp(**local).loss
         (loss * world).backward()
     return {"loss": group_loss(loss, group), "grads": _grads(model)}
@@ -121,7 +121,7 @@ def _run_ulysses_heads(group, world):
     model = _model("llama", False)
     local, context = shard_batch(_batch("packed"), group, "ulysses")
     try:
-        with sequence_parallel(model, context):
+        with sequence_parallel_attention(model, context):
             model(**local)
     except ValueError as error:
         return {"error": str(error)}
@@ -135,7 +135,7 @@ def _run_bf16(mode, group):
     """The packed llama case under bf16 autocast (the GPU recipe's precision): the model and its LoRA in fp32."""
     model = _model("llama", True)
     local, context = shard_batch(_batch("packed"), group, mode)
-    with sequence_parallel(model, context), torch.autocast("cpu", dtype=torch.bfloat16):
+    with sequence_parallel_attention(model, context), torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(**local).loss
         loss.backward()
     reduce_gradients(model, group)
@@ -283,10 +283,10 @@ def test_context_manager_restores_and_needs_a_patched_model():
     attention = [m for m in model.modules() if hasattr(m, "bpt_config")]
     context = SequenceParallelContext(None, "ring", 45)
     with pytest.raises(RuntimeError, match="boom"):
-        with sequence_parallel(model, context):
+        with sequence_parallel_attention(model, context):
             assert all(getattr(m, SEQUENCE_PARALLEL_ATTR) is context for m in attention)
             raise RuntimeError("boom")
     assert attention and not any(hasattr(m, SEQUENCE_PARALLEL_ATTR) for m in attention)
     with pytest.raises(ValueError, match="apply_bpt_patch"):
-        with sequence_parallel(tiny_model("llama"), context):
+        with sequence_parallel_attention(tiny_model("llama"), context):
             pass

@@ -105,7 +105,7 @@ def run_sp_group(spec: dict) -> dict:
 
 def _run_one(spec: dict, model, mode: str, seq_len: int) -> dict:
     """One warm-up and spec["steps"] measured steps of one (mode, seq_len) on this rank."""
-    from patches import group_loss, reduce_gradients, sequence_parallel, shard_batch
+    from patches import group_loss, reduce_gradients, sequence_parallel_attention as sequence_parallel, shard_batch
 
     device, batch_size = spec["device"], spec["batch_size"]
     generator = torch.Generator().manual_seed(spec["seed"])  # the same global batch on every rank
