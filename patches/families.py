@@ -181,16 +181,14 @@ class UnsupportedModelError(ValueError):
 
 
 def family_of(config) -> Family:
-    """The table row for a transformers config, or an error naming the supported families (and, for a type
-    transformers has that we do not support, why)."""
-    from patches.unsupported import UNSUPPORTED
+    """The table row for a transformers config, or an error saying why this family is not supported (one line,
+    pointing at the README's support table)."""
+    from patches.unsupported import user_reason
 
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
-        why = f" ({UNSUPPORTED[model_type]})" if model_type in UNSUPPORTED else ""
         raise UnsupportedModelError(
-            f"model family {model_type!r} is not supported by apply_bpt_patch{why}; supported families: "
-            f"{', '.join(sorted(FAMILIES))}. Train it without the patch (e.g. --no_bpt), or add a row to "
-            "patches/families.py if its modules match an existing family."
+            f"apply_bpt_patch does not support {model_type!r} models: {user_reason(model_type)}. The supported "
+            "families are in the README's support table; train this model without the patch (e.g. --no_bpt)"
         )
     return FAMILIES[model_type]

@@ -238,3 +238,36 @@ UNSUPPORTED: dict[str, str] = {
         "(use_eda); the chunked MLP keeps only the first output of each chunk, so that chain would be cut silently"
     ),
 }
+
+# What the error message tells a user: what the patch needs that the model lacks, in plain terms (the reasons above are
+# for maintainers). Looked up by category, or for "feature not yet reproduced" by the kind after it (prefix match).
+USER_REASONS: dict[str, str] = {
+    "encoder": "it is a bidirectional encoder, and the patch computes left-to-right (causal) attention only",
+    "encoder-decoder": "it is the decoder half of an encoder-decoder model, and the patch has no cross-attention",
+    "state-space or recurrent": "its layers are recurrent (no softmax attention), so there is nothing to compute "
+                                "blockwise",
+    "multimodal-only": "it is a multimodal model, and the patch takes text-only causal LMs (load its text model "
+                       "if it has one)",
+    "pending low-precision check": "it is not in the support table yet (its low-precision accuracy check is pending)",
+    "not yet classified": "it is not in the support table yet",
+    "custom attention outside AttentionInterface": "it computes attention in its own code, and the patch can only "
+                                                   "replace attention that goes through transformers' attention "
+                                                   "interface",
+    "custom mask handling outside the mask interface": "its attention reads a full sequence x sequence mask, which "
+                                                       "the patch never builds",
+    "module layout the row cannot name": "the patch needs each decoder layer to hold its attention and its MLP as "
+                                         "submodules, and this model's layers are laid out differently",
+    "hybrid attention + SSM / linear attention": "its attention and MLP blocks are nested inside recurrent blocks, "
+                                                 "where the patch cannot reach them yet",
+}
+
+
+def user_reason(model_type: str) -> str:
+    """Why `model_type` is refused, for the error message."""
+    reason = UNSUPPORTED.get(model_type)
+    if reason is None:
+        return "it is not in the support table"
+    category, detail = reason.split(":", 1)
+    kind = detail.split(":", 1)[0].strip() if category == "feature not yet reproduced" else category
+    return next((text for key, text in USER_REASONS.items() if kind.startswith(key)),
+                f"it uses a feature the patch does not reproduce yet ({kind})")

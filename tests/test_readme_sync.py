@@ -3,6 +3,7 @@ import re
 from pathlib import Path
 
 from patches import FAMILIES
+from support_table import readme_block, support_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -16,8 +17,6 @@ def test_readme_lists_exactly_the_supported_families():
 
 
 def test_readme_support_table_is_the_generated_one():
-    """The per-feature table between `<!-- support-table -->` markers is `python -m patches.support_table`'s output
+    """The per-feature table between `<!-- support-table -->` markers is `python tests/support_table.py`'s output
     (regenerate with `--write`)."""
-    from patches.support_table import readme_block, support_table
-
     assert readme_block(README.read_text()) == support_table()

@@ -1,7 +1,10 @@
 """The README's support table, generated from the registry (`FAMILIES`) and the tests' tiny configs.
 
-`python -m patches.support_table` prints it; `--write` replaces the README block between `<!-- support-table -->`
-and `<!-- /support-table -->`, and the family list and count (tests/test_readme_sync.py asserts the README agrees).
+It lives with the tests because it reads them (tests/tiny_models.py, tests/test_generation.py): the installed
+package never does. `python tests/support_table.py` prints the table; `--write` replaces the README block between
+`<!-- support-table -->` and `<!-- /support-table -->`, and the family list and count (tests/test_readme_sync.py
+asserts the README agrees).
+
 Every mark is derived from data, none is typed by hand:
 
 - padding: yes for every family (the exactness tests run each one with right padding).
@@ -28,20 +31,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from patches.families import FAMILIES
+from tiny_models import TINY_CONFIGS, tiny_config
 
-ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
-TESTS = ROOT / "tests"
+TESTS = Path(__file__).resolve().parent
+README = TESTS.parent / "README.md"
 BEGIN, END = "<!-- support-table -->", "<!-- /support-table -->"
 FEATURES = ("padding", "packing", "window", "softcap", "sinks", "ALiBi", "MoE", "generation")
-
-
-def _tiny():
-    """tests/tiny_models.py (not a package: tests put their folder on sys.path, as conftest.py does)."""
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    import tiny_models
-    return tiny_models
 
 
 def _generation_tested() -> set[str]:
@@ -96,13 +91,12 @@ def _built(config, family) -> tuple[bool, bool]:
 
 def support_rows() -> dict[str, dict[str, str]]:
     """family -> feature -> "yes" / "" / "untested" (generation only)."""
-    tiny = _tiny()
     generated = _generation_tested()
     rows = {}
     for model_type in sorted(FAMILIES):
         family = FAMILIES[model_type]
-        variants = [name for name, (mt, _) in tiny.TINY_CONFIGS.items() if mt == model_type]
-        tiny_configs = [tiny.tiny_config(name) for name in variants]
+        variants = [name for name, (mt, _) in TINY_CONFIGS.items() if mt == model_type]
+        tiny_configs = [tiny_config(name) for name in variants]
         configs = [AutoConfig.for_model(model_type), *tiny_configs]
         built = [_built(c, family) for c in tiny_configs]
         marks = {
@@ -154,7 +148,7 @@ def main(argv=None) -> None:
         head, rest = text.split(BEGIN, 1)
         README.write_text(f"{head}{BEGIN}\n\n{table}\n\n{END}{rest.split(END, 1)[1]}")
     elif argv:
-        sys.exit("usage: python -m patches.support_table [--write]")
+        sys.exit("usage: python tests/support_table.py [--write]")
     else:
         print(table)
 
