@@ -31,6 +31,7 @@ from patches.bound_attention import BINDERS
 from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
 from patches.lm_head import causal_lm_forward
 from patches.masks import bpt_mask
+from patches.own_attention import attention_weights_forward, config_view
 
 _HANDLE_ATTR = "_bpt_patch_handle"
 
@@ -183,7 +184,12 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     if patched_attention == 0:  # a hybrid row whose attention attribute is wrong would otherwise patch nothing
         raise UnsupportedModelError(f"no decoder layer of this {hf_model.config.model_type!r} model has attention at "
                                     f"layer.{family.attention}: nothing to patch (is its row in FAMILIES right?)")
-    handle.set(hf_model.config, "_attn_implementation", ATTN_IMPLEMENTATION)
+    # The attention implementation is the model's own: the config object may be shared with other models.
+    shared, view = hf_model.config, config_view(hf_model.config, ATTN_IMPLEMENTATION)
+    for module in hf_model.modules():
+        if vars(module).get("config") is shared:
+            handle.set(module, "config", view)
+    handle.set(base, "forward", attention_weights_forward(base, base.forward, view))
     handle.set(hf_model, "forward", causal_lm_forward(hf_model, hf_model.forward, family, config))
     handle.set(hf_model, _HANDLE_ATTR, handle)  # last: is_patched is True only for a complete patch
 
@@ -233,13 +239,15 @@ def _patch_models_loaded_later(config: BPTConfig) -> BPTPatchHandle:
     handle = BPTPatchHandle(config)
     model_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def patch_loaded(model):
+    def patch_loaded(loaded):
+        # from_pretrained(..., output_loading_info=True) returns (model, loading_info): returned unchanged.
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
         family = FAMILIES.get(getattr(model.config, "model_type", None))
         if family is not None and hasattr(model, family.head) and hasattr(model, family.base):
             model_handles[model] = apply_bpt_patch(model, **vars(handle.options))
         elif family is None and any(word in type(model).__name__ for word in ("CausalLM", "LMHead")):
-            family_of(model.config)  # raises UnsupportedModelError naming the supported families
-        return model  # anything else (encoders, base models) is left alone
+            family_of(model.config)  # raises UnsupportedModelError saying why
+        return loaded  # anything else (encoders, base models) is left alone
 
     def remove_model_patches():
         for model_handle in list(model_handles.values()):

@@ -34,8 +34,13 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
             raise NotImplementedError("the MoE router auxiliary loss is not computed by the patched loss; "
                                       "set output_router_logits=False or train unpatched")
         arguments.pop("logits_to_keep", None)
-        arguments.pop("return_dict", None)
-        outputs = getattr(model, family.base)(**arguments, **extra)
+        # transformers 5 passes return_dict in **kwargs (older-style forwards, e.g. Bloom's, name it): the base model
+        # always returns its dict here, and this forward returns the form the caller asked for.
+        return_dict = arguments.pop("return_dict", None)
+        return_dict = extra.pop("return_dict", return_dict)
+        if return_dict is None:
+            return_dict = getattr(model.config, "return_dict", True)
+        outputs = getattr(model, family.base)(**arguments, **extra, return_dict=True)
         loss = chunked_lm_loss(
             outputs.last_hidden_state, getattr(model, family.head), labels,
             chunk=options.loss_chunk,
@@ -45,13 +50,14 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
             logit_softcap=softcap,
             compile=options.compile,
         )
-        return CausalLMOutputWithPast(
+        output = CausalLMOutputWithPast(
             loss=loss,
             logits=None,
             past_key_values=getattr(outputs, "past_key_values", None),
             hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
         )
+        return output if return_dict else output.to_tuple()
 
     return forward
 
