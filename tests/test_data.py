@@ -91,6 +91,18 @@ def test_broken_json_names_the_file_and_line(tmp_path, name, text, line, what):
     assert "DatasetGenerationError" not in message and "\n" not in message
 
 
+@pytest.mark.parametrize("record,problem", [
+    ('{"text": "tab\there"}', "Invalid control character at column 14"),  # a raw tab inside a string
+    ('{"text": "cut off', "Unterminated string starting at column 10"),
+    ('{"text": oops}', "Expecting value at column 10"),
+])
+def test_broken_json_line_says_what_and_where_in_words(tmp_path, record, problem):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n' + record + "\n")
+    with pytest.raises(UserError) as raised:
+        load_text_dataset(str(tmp_path / "bad.jsonl"))
+    assert f"line 2 is not valid JSON ({problem}); fix or remove that line" in str(raised.value)
+
+
 def test_broken_jsonl_in_a_directory_names_the_file(tmp_path):
     _write(tmp_path / "a.jsonl", "jsonl", DOCS)
     (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{"text": "cut off\n')

@@ -7,7 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from train.eval import TINY_MODEL_DIR, answer_is_correct, main, passkey_accuracy, perplexity
+from train.args import TINY_LLAMA_DIR
+from train.eval import main
+from train.metrics import answer_is_correct, passkey_accuracy, perplexity
 from train.pretrain_tiny import build_tokenizer
 
 LENGTHS, DEPTHS = [120, 160], [0.0, 1.0]
@@ -75,12 +77,12 @@ def test_passkey_accuracy_on_peft_model(random_model, tok):
     assert 0.0 <= res["accuracy"] <= 1.0
 
 
-@pytest.mark.skipif(not (TINY_MODEL_DIR / "model.safetensors").exists(), reason="tiny model not built yet")
+@pytest.mark.skipif(not (TINY_LLAMA_DIR / "model.safetensors").exists(), reason="tiny model not built yet")
 def test_shipped_tiny_model_retrieves_at_its_pretraining_length():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR)
-    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA_DIR)
     res = passkey_accuracy(model, tokenizer, lengths=[model.config.max_position_embeddings],
                            depths=[0.0, 0.5, 1.0], trials=2)
     assert res["accuracy"] == 1.0
@@ -121,3 +123,15 @@ def test_cli_writes_json_and_reports_user_errors(random_model, tok, tmp_path, ca
     assert main(["--model_name_or_path", str(model_dir), "--lengths", "30"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and "does not exist" in errors[0] and "at least" in errors[1]
+
+
+def test_cli_without_output_json_writes_the_results_to_a_default_place(random_model, tok, tmp_path, monkeypatch,
+                                                                         capsys):
+    model_dir = tmp_path / "my-model"
+    random_model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model_name_or_path", str(model_dir), "--lengths", "120", "--depths", "0.5", "--trials", "1"]) == 0
+    written = tmp_path / "outputs" / "eval" / "my-model.json"
+    assert json.loads(written.read_text())["args"]["model_name_or_path"] == str(model_dir)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "results written to outputs/eval/my-model.json"

@@ -12,7 +12,8 @@ import shutil
 import pytest
 import torch
 
-from train.eval import TINY_MODEL_DIR, load_for_eval, main, parse_args
+from train.args import TINY_LLAMA_DIR
+from train.eval import load_for_eval, main, parse_args
 
 TRAIN_LENGTH = 256  # twice the base's 128 positions: RoPE x2
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared CPU: one thread (conftest)
@@ -68,7 +69,7 @@ def test_adapter_alone_loads_the_runs_base_rope_and_bits(trained):
 
 
 def test_cli_adapter_alone_repeats_the_runs_passkey_evaluation(trained, tmp_path, capsys):
-    from train.qlora import EVAL_SEED
+    from train.metrics import EVAL_SEED
 
     _, run_dir = trained
     out = tmp_path / "eval.json"
@@ -81,6 +82,14 @@ def test_cli_adapter_alone_repeats_the_runs_passkey_evaluation(trained, tmp_path
     assert result["by_length_depth"] == after["by_length_depth"] and result["accuracy"] == after["accuracy"]
     assert result["rope_parameters"] == run_info(run_dir)["rope_parameters"]
     assert not warnings_in(capsys.readouterr().err)
+
+
+def test_cli_adapter_without_output_json_writes_into_the_run(trained):
+    _, run_dir = trained
+    assert main(["--adapter", str(run_dir), "--lengths", "120", "--depths", "0.5", "--trials", "1"]) == 0
+    result = json.loads((run_dir / "eval_results.json").read_text())
+    assert result["args"]["adapter"] == str(run_dir) and result["args"]["lengths"] == [120]
+    assert "before" in json.loads((run_dir / "eval.json").read_text())  # the run's own evaluation is left alone
 
 
 def test_checkpoint_without_run_info_takes_the_base_from_adapter_config(trained, capsys):
@@ -176,7 +185,7 @@ def test_bad_input_is_one_error_line_before_loading_weights(trained, tmp_path, c
     monkeypatch.undo()
 
     # A base the adapter was not trained on: shapes differ (hidden 128 vs 64), one line, not a traceback.
-    assert main(["--adapter", str(run_dir), "--model_name_or_path", str(TINY_MODEL_DIR), "--lengths", "120"]) == 2
+    assert main(["--adapter", str(run_dir), "--model_name_or_path", str(TINY_LLAMA_DIR), "--lengths", "120"]) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "does not fit" in errors[0] and "Traceback" not in err

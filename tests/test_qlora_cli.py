@@ -18,9 +18,26 @@ import torch
 
 from cli_helpers import ENV, REPO, base_argv, losses, metrics
 from train.args import parse_args
-from train.qlora import NAN_AT_ENV, STOP_AFTER_ENV, main, run
+from train import loop
+from train.qlora import main, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class Crash(Exception):
+    """A simulated crash of the training process."""
+
+
+def crash_after(step: int, add):
+    """MetricsLog.add that raises Crash once `step` is logged."""
+
+    def patched(self, logged_step, *args, **kwargs):
+        window = add(self, logged_step, *args, **kwargs)
+        if logged_step == step:
+            raise Crash(f"crashed after step {step}")
+        return window
+
+    return patched
 
 
 def assert_close(actual, expected, rel=1e-4):
@@ -118,10 +135,10 @@ def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path, monkeypatch):
     expected = losses(tmp_path / "whole")
 
     out = tmp_path / "interrupted"
-    monkeypatch.setenv(STOP_AFTER_ENV, "3")  # dies after step 3, past its last checkpoint (2)
-    with pytest.raises(SystemExit):
-        run(parse_args(argv(out)))
-    monkeypatch.delenv(STOP_AFTER_ENV)
+    with monkeypatch.context() as patch:  # dies after logging step 3, past its last checkpoint (2)
+        patch.setattr(loop.MetricsLog, "add", crash_after(3, loop.MetricsLog.add))
+        with pytest.raises(Crash):
+            run(parse_args(argv(out)))
     assert (out / "checkpoint-2").is_dir() and not (out / "run_info.json").exists()
     assert main(argv(out)) == 2  # unfinished run: refuses to start over silently
     run(parse_args(argv(out, "--resume_from_checkpoint", "latest")))
@@ -131,7 +148,14 @@ def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path, monkeypatch):
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    monkeypatch.setenv(NAN_AT_ENV, "3")
+    accumulate, calls = loop.accumulate, []
+
+    def nan_at_step_3(*args, **kwargs):
+        loss, tokens = accumulate(*args, **kwargs)
+        calls.append(loss)
+        return (float("nan") if len(calls) == 3 else loss), tokens
+
+    monkeypatch.setattr(loop, "accumulate", nan_at_step_3)
     assert main(base_argv(tiny, out, "--save_steps", 1)) == 1
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "nan" in message and "checkpoint-2" in message and "--resume_from_checkpoint" in message
@@ -206,7 +230,7 @@ def _bad_cases(tiny, tmp: Path) -> dict:
                                    "--max_seq_len", "512", "--rope_scaling", "linear", "--rope_factor", "2"],
                                   "raise it to 4"),
         "unsupported family": (["--model_name_or_path", str(tmp / "opt"), "--dataset", data, *common],
-                               ("--no_bpt", "llama")),
+                               ("--no_bpt", "opt")),
         "finished output dir": (["--model_name_or_path", model, "--dataset", data, "--max_seq_len", "64",
                                  "--output_dir", str(finished)], "--overwrite_output_dir"),
         "unfinished output dir": (["--model_name_or_path", model, "--dataset", data, "--max_seq_len", "64",

@@ -12,18 +12,21 @@ import torch
 
 from cli_helpers import ENV, REPO, base_argv, losses
 from train.args import parse_args
-from train.qlora import STOP_AFTER_ENV, main, run
+from train.qlora import main, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 COMMON = ("--max_steps", 3, "--lora_dropout", 0, "--save_steps", 2)
 
 
-def _launch(tiny, out, *extra, env: dict | None = None) -> subprocess.CompletedProcess:
+def _launch(tiny, out, *extra, crash_after: int | None = None) -> subprocess.CompletedProcess:
+    """train.qlora --fsdp on 2 processes; crash_after=N: every process exits 3 once checkpoint-N is written."""
+    program = (["-m", "train.qlora"] if crash_after is None
+               else [str(REPO / "tests/qlora_crash_after.py"), str(crash_after)])
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "2", "-m", "train.qlora",
+           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "2", *program,
            *base_argv(tiny, out, *COMMON, "--fsdp", *extra)]
-    return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=400)
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
 
 
 def _adapter(out) -> dict:
@@ -71,8 +74,9 @@ def test_resume_under_sequence_parallelism_matches_one_process(tiny, tmp_path):
     run(parse_args(base_argv(tiny, one, *COMMON, "--per_device_train_batch_size", 1)))
     out = tmp_path / "sp"
     extra = ["--per_device_train_batch_size", 1, "--sequence_parallel", 2]
-    stopped = _launch(tiny, out, *extra, env={STOP_AFTER_ENV: "2"})
-    assert f"stopping after step 2 ({STOP_AFTER_ENV})" in stopped.stderr, stopped.stderr[-3000:]
+    stopped = _launch(tiny, out, *extra, crash_after=2)
+    assert "crashing after step 2" in stopped.stderr and stopped.returncode != 0, stopped.stderr[-3000:]
+    assert not (out / "run_info.json").exists()
     resumed = _launch(tiny, out, *extra, "--resume_from_checkpoint", "latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "checkpoint-2 at step 2" in resumed.stderr

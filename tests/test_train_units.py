@@ -8,7 +8,7 @@ import pytest
 from train import checkpoint
 from train.args import parse_args
 from train.errors import UserError
-from train.qlora import epoch_order, step_groups, total_steps
+from train.loop import epoch_order, step_groups, total_steps
 
 
 def test_epoch_order_splits_rows_across_ranks_and_is_reproducible():
@@ -65,7 +65,7 @@ def test_latest_checkpoint_is_the_highest_step(tmp_path):
 def test_rope_scaling_is_written_the_transformers_5_way(kind, extra):
     from transformers import LlamaConfig
 
-    from train.model import apply_rope_scaling
+    from train.rope import apply_rope_scaling
 
     config = LlamaConfig(max_position_embeddings=128)
     assert apply_rope_scaling(config, 512, kind, None) == 4.0
@@ -74,3 +74,52 @@ def test_rope_scaling_is_written_the_transformers_5_way(kind, extra):
     # dynamic NTK stretches relative to max_position_embeddings, so it must stay the original length
     assert config.max_position_embeddings == (128 if kind == "dynamic" else 512)
     config.validate_rope()
+
+
+def _train_imports() -> dict[str, set[str]]:
+    """train module -> the train modules it imports (at module level or inside functions)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parent.parent / "train"
+    graph = {}
+    for path in package.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "train":
+                names = [node.module] if node.module != "train" else [f"train.{a.name}" for a in node.names]
+                found.update(name.split(".")[1] for name in names if "." in name)
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("train."))
+        graph[path.stem] = found - {path.stem}
+    return graph
+
+
+def test_train_imports_run_one_way():
+    graph = _train_imports()
+    assert {"qlora", "loop", "run_dir", "metrics", "eval"} <= graph.keys()
+    done, active = set(), []
+
+    def visit(module):
+        if module in active:
+            raise AssertionError(f"import circle: {' -> '.join(active[active.index(module):] + [module])}")
+        if module in done:
+            return
+        active.append(module)
+        for imported in graph.get(module, ()):
+            visit(imported)
+        active.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+    assert "qlora" not in set().union(*graph.values()) and "eval" not in set().union(*graph.values())  # CLIs on top
+
+
+def test_no_train_source_file_over_450_lines():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    long = {str(p.relative_to(root)): n for p in (root / "train").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from train.errors import UserError
+from train.rope import ROPE_TYPES, check_rope_flags
 
 TINY_LLAMA_DIR = Path(__file__).resolve().parent / "assets" / "tiny-llama"
 
@@ -28,9 +29,11 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
               "inverse_sqrt")
 
 
-def _opt(default, help: str, choices=None):
-    """A dataclass field carrying its --help text (and allowed values) as metadata."""
-    metadata = {"help": help}
+def _opt(default, help: str, choices=None, aliases: tuple[str, ...] = (), bpt_default: bool = False):
+    """A dataclass field carrying its --help text, allowed values, other flag spellings and (bpt_default) that its
+    None means "bpt.config.BPTConfig's value" as metadata. A help text that says "default" itself gets no
+    "(default: ...)" appended."""
+    metadata = {"help": help, "aliases": tuple(aliases), "bpt_default": bpt_default}
     if choices is not None:
         metadata["choices"] = tuple(choices)
     if isinstance(default, list):
@@ -49,8 +52,7 @@ class ModelArguments:
     bits: int = _opt(4, "Base weights: 4 = NF4 QLoRA with double quantisation, 8 = int8, 16 = not quantised "
                      "(bf16 on GPU, fp32 on CPU).", choices=(4, 8, 16))
     rope_scaling: str | None = _opt(
-        None, "RoPE scaling used to run past the model's max_position_embeddings.",
-        choices=("linear", "dynamic", "yarn", "llama3"))
+        None, "RoPE scaling used to run past the model's max_position_embeddings.", choices=ROPE_TYPES)
     rope_factor: float | None = _opt(
         None, "RoPE scaling factor; default max_seq_len / the model's max_position_embeddings.")
     mixed_precision: str | None = _opt(
@@ -92,10 +94,10 @@ class BPTArguments:
     """Blockwise (BPT) patch"""
 
     bpt: bool = _opt(True, "Patch the model with blockwise attention / MLP / loss (apply_bpt_patch).")
-    q_block: int | None = _opt(None, "Query block size of blockwise attention (default: bpt.config.BPTConfig).")
-    kv_block: int | None = _opt(None, "Key/value block size of blockwise attention (default: BPTConfig).")
-    mlp_chunk: int | None = _opt(None, "Tokens per chunk of the chunked MLP (default: BPTConfig).")
-    loss_chunk: int | None = _opt(None, "Tokens per chunk of the chunked LM head + loss (default: BPTConfig).")
+    q_block: int | None = _opt(None, "Query block size of blockwise attention.", bpt_default=True)
+    kv_block: int | None = _opt(None, "Key/value block size of blockwise attention.", bpt_default=True)
+    mlp_chunk: int | None = _opt(None, "Tokens per chunk of the chunked MLP.", bpt_default=True)
+    loss_chunk: int | None = _opt(None, "Tokens per chunk of the chunked LM head + loss.", bpt_default=True)
     bpt_compile: bool | None = _opt(None, "torch.compile the per-block functions; default: only on CUDA.")
 
 
@@ -119,7 +121,8 @@ class TrainArguments:
     gradient_checkpointing: bool = _opt(True, "Recompute layer activations in backward (use_reentrant=False).")
     sequence_parallel: int = _opt(
         1, "Split every sequence over N processes (of those accelerate launch starts; data parallel over the "
-        "groups). Needs the patch; the number of processes must be a multiple of N.")
+        "groups). Needs the patch; the number of processes must be a multiple of N. Losses equal a one-process run's "
+        "only with --lora_dropout 0: each process draws its own dropout masks for its shard.")
     sp_mode: str = _opt("ring", "Sequence-parallel attention: ring (any head count; not ALiBi-bias families or "
                         "attention sinks) or ulysses (query heads must divide by N).", choices=("ring", "ulysses"))
     fsdp: bool = _opt(False, "Shard the (4-bit) base and LoRA over every process with FSDP2 (torch fully_shard), so "
@@ -210,29 +213,49 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises UserError (one line, exit 2 in the CLI) instead of printing usage."""
 
     def error(self, message):
-        raise UserError(f"{message} (see python -m train.qlora --help)")
+        raise UserError(f"{message} (see {self.prog} --help)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m train.qlora", description=(
-        "Long-context QLoRA fine-tuning of a HuggingFace causal LM with blockwise (BPT) attention, MLP and loss. "
-        "With no model named it runs the embedded default: a 4x context extension of a bundled tiny llama "
-        "on synthetic passkey data, evaluated before and after."),
-        # Unset flags stay out of the namespace (defaults are layered by parse_args); no abbreviations,
-        # so a misspelt flag is an error instead of silently meaning another flag.
-        argument_default=argparse.SUPPRESS, allow_abbrev=False)
-    parser.add_argument("--config", help="YAML file of flag defaults (keys = flag names); flags override it.")
-    for group in GROUPS:
+QLORA_DESCRIPTION = (
+    "Long-context QLoRA fine-tuning of a HuggingFace causal LM with blockwise (BPT) attention, MLP and loss. "
+    "With no model named (no --model_name_or_path, flag or --config) it runs the embedded default run: a 4x context "
+    "extension of a bundled tiny llama on synthetic passkey data, evaluated before and after (configs/default.yaml). "
+    "That run replaces some of the defaults listed below; each such flag shows its value as 'default run: ...'.")
+
+
+def build_parser(groups=GROUPS, *, prog: str = "python -m train.qlora", description: str = QLORA_DESCRIPTION,
+                 default_run: dict | None = DEFAULT_RUN, config_flag: bool = True) -> argparse.ArgumentParser:
+    """An argparse parser whose flags are the fields of `groups` (one help section each)."""
+    # Unset flags stay out of the namespace (defaults are layered by the caller); no abbreviations,
+    # so a misspelt flag is an error instead of silently meaning another flag.
+    parser = _Parser(prog=prog, description=description, argument_default=argparse.SUPPRESS, allow_abbrev=False)
+    if config_flag:
+        parser.add_argument("--config", help="YAML file of flag defaults (keys = flag names); flags override it.")
+    for group in groups:
         section = parser.add_argument_group(group.__doc__)
         for f in dataclasses.fields(group):
-            _add_flag(section, group, f)
+            _add_flag(section, group, f, default_run or {})
     return parser
 
 
-def _add_flag(section, group: type, f: dataclasses.Field) -> None:
+def _help(f: dataclasses.Field, default, default_run: dict) -> str:
+    text = f.metadata["help"]
+    if f.metadata.get("bpt_default"):
+        from bpt.config import BPTConfig
+
+        return f"{text} (default: {getattr(BPTConfig, f.name)}, bpt.config.BPTConfig's)"
+    if "default" in text.lower():
+        return text  # it says its default itself
+    shown = f"default: {default}"
+    if f.name in default_run and default_run[f.name] != default:
+        shown += f"; default run: {default_run[f.name]}"
+    return f"{text} ({shown})"
+
+
+def _add_flag(section, group: type, f: dataclasses.Field, default_run: dict) -> None:
     scalar, is_list = _kind(group, f.name)
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    help_text = f"{f.metadata['help']} (default: {default})"
+    help_text = _help(f, default, default_run)
     if scalar is bool:
         section.add_argument(f"--{f.name}", dest=f.name, action="store_true", help=help_text)
         section.add_argument(f"--no_{f.name}", dest=f.name, action="store_false", help=f"Turn --{f.name} off.")
@@ -243,7 +266,7 @@ def _add_flag(section, group: type, f: dataclasses.Field) -> None:
         kwargs.pop("metavar")
     if is_list:
         kwargs["nargs"] = "+"
-    section.add_argument(f"--{f.name}", **kwargs)
+    section.add_argument(f"--{f.name}", *f.metadata.get("aliases", ()), dest=f.name, **kwargs)
 
 
 def _yaml_to_argv(values: dict, source: str) -> list[str]:
@@ -290,7 +313,8 @@ def load_yaml(path: str) -> dict:
     return values
 
 
-def _parse_tokens(parser: argparse.ArgumentParser, argv: list[str], source: str) -> dict:
+def parse_tokens(parser: argparse.ArgumentParser, argv: list[str], source: str = "command line") -> dict:
+    """The flags given in `argv` (only those), or UserError naming `source`."""
     try:
         return vars(parser.parse_args(argv))
     except UserError as error:
@@ -300,7 +324,7 @@ def _parse_tokens(parser: argparse.ArgumentParser, argv: list[str], source: str)
 def parse_args(argv: list[str] | None = None) -> Args:
     """Layer field defaults, the embedded default run, --config YAML and flags into one validated Args."""
     parser = build_parser()
-    cli = _parse_tokens(parser, sys.argv[1:] if argv is None else argv, "command line")
+    cli = parse_tokens(parser, sys.argv[1:] if argv is None else argv, "command line")
     layers: dict = {}
     config_path = cli.pop("config", None)
     yaml_values = {}
@@ -308,7 +332,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
         yaml_values = load_yaml(config_path)
         if "config" in yaml_values:
             raise UserError(f"--config {config_path}: a config file cannot name another config")
-        yaml_values = _parse_tokens(parser, _yaml_to_argv(yaml_values, config_path), config_path)
+        yaml_values = parse_tokens(parser, _yaml_to_argv(yaml_values, config_path), config_path)
     if "model_name_or_path" not in cli and "model_name_or_path" not in yaml_values:
         layers.update(DEFAULT_RUN)
     layers.update(yaml_values)
@@ -345,10 +369,7 @@ def validate(args: Args) -> None:
                         f"got {args.max_steps}")
     if args.max_steps == -1 and args.num_train_epochs <= 0:
         raise UserError(f"--num_train_epochs must be > 0, got {args.num_train_epochs}")
-    if args.rope_factor is not None and args.rope_factor < 1:
-        raise UserError(f"--rope_factor must be >= 1 (it stretches the positions), got {args.rope_factor}")
-    if args.rope_factor is not None and args.rope_scaling is None:
-        raise UserError("--rope_factor needs --rope_scaling (linear, dynamic, yarn or llama3)")
+    check_rope_flags(args.rope_scaling, args.rope_factor)
     if (args.prompt_field is None) != (args.response_field is None):
         raise UserError("--prompt_field and --response_field go together: give both, or neither to train on "
                         "--text_field")

@@ -6,10 +6,11 @@ A checkpoint holds everything the resumed run needs to repeat the uninterrupted 
     optimizer.pt                                       the optimizer's full state dict (torch.distributed.checkpoint)
     scheduler.pt                                       the scheduler's state_dict
     rng_state.pt                                       python / numpy / torch (and CUDA) RNG, one per rank
-    trainer_state.json                                 step, data position (epoch, batch), args
+    trainer_state.json                                 step, data position (epoch, batch), the schedule's length, args
 
 It is written into a hidden temp directory inside output_dir and renamed into place, so a crash
-never leaves a half-written checkpoint-N behind.
+never leaves a half-written checkpoint-N behind. A run writes one every --save_steps steps, on a stop signal and
+after its last step (so a finished run can be extended with a larger --max_steps).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import tempfile
 import numpy as np
 import torch
 
-from train.errors import UserError
+from train.errors import UserError, one_line
 
 PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-"
@@ -32,6 +33,8 @@ REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer
                   "rng_state.pt", STATE_FILE)
 # Args that decide which rows each step sees: resuming with different values would not continue the run.
 DATA_ORDER_ARGS = ("seed", "per_device_train_batch_size", "dataset", "max_seq_len", "packing", "sequence_parallel")
+# Args that shape the learning-rate schedule besides its length.
+SCHEDULE_ARGS = ("lr_scheduler_type", "warmup_steps", "learning_rate")
 
 
 def list_checkpoints(output_dir: str) -> list[str]:
@@ -48,7 +51,8 @@ def resolve(resume_from: str, output_dir: str) -> str:
     if resume_from == "latest":
         checkpoints = list_checkpoints(output_dir)
         if not checkpoints:
-            raise UserError(f"--resume_from_checkpoint latest: no {PREFIX}N directory in {output_dir}; check "
+            raise UserError(f"--resume_from_checkpoint latest: no {PREFIX}N directory in {output_dir} (a run writes "
+                            "one every --save_steps steps, when stopped by a signal, and after its last step); check "
                             "--output_dir or start without --resume_from_checkpoint")
         path = checkpoints[-1]
     else:
@@ -84,6 +88,16 @@ def check_compatible(state: dict, args, world_size: int, path: str) -> None:
     if changed:
         raise UserError(f"checkpoint {path} was written with other data settings ({'; '.join(changed)}); resume "
                         "with the original values or start a new run")
+
+
+def schedule_changes(state: dict, args, steps: int) -> list[str]:
+    """How the learning-rate schedule of this run differs from the checkpoint's ([] when it is the same)."""
+    saved = state.get("args", {})
+    changed = [f"--{name} {saved[name]!r} -> {getattr(args, name)!r}" for name in SCHEDULE_ARGS
+               if name in saved and saved[name] != getattr(args, name)]
+    if state.get("total_steps", steps) != steps:
+        changed.insert(0, f"{state['total_steps']} -> {steps} steps")
+    return changed
 
 
 def rng_state() -> dict:
@@ -146,7 +160,7 @@ def gathered_states(model, optimizer, main: bool) -> tuple[dict, dict]:
 
 
 def save(output_dir: str, step: int, *, model, weights: dict, optimizer_state: dict, scheduler, rng_states: list,
-         position: tuple[int, int], args_dict: dict, world_size: int) -> str:
+         position: tuple[int, int], args_dict: dict, world_size: int, total_steps: int) -> str:
     """Write checkpoint-<step> (called on the main process only, with what gathered_states returned there;
     rng_states holds every rank's)."""
 
@@ -156,7 +170,8 @@ def save(output_dir: str, step: int, *, model, weights: dict, optimizer_state: d
         torch.save(scheduler.state_dict(), os.path.join(path, "scheduler.pt"))
         torch.save(rng_states, os.path.join(path, "rng_state.pt"))
         epoch, batch = position
-        state = {"step": step, "epoch": epoch, "batch": batch, "world_size": world_size, "args": args_dict}
+        state = {"step": step, "epoch": epoch, "batch": batch, "total_steps": total_steps, "world_size": world_size,
+                 "args": args_dict}
         with open(os.path.join(path, STATE_FILE), "w") as f:
             json.dump(state, f, indent=2)
 
@@ -164,8 +179,6 @@ def save(output_dir: str, step: int, *, model, weights: dict, optimizer_state: d
 
 
 def _resume_error(path: str, error: Exception) -> UserError:
-    from train.model import one_line
-
     return UserError(f"cannot resume from {path}: {one_line(error)}; the checkpoint is corrupt or from a run with "
                      "other model/LoRA settings")
 
@@ -185,8 +198,9 @@ def load_weights(path: str, model) -> None:
 
 
 def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
-    """Restore the optimizer (into its shards under FSDP), scheduler and this rank's RNG from `path` on every rank
-    (the weights went in earlier: load_weights); return its state."""
+    """Restore the optimizer (into its shards under FSDP), scheduler (unless None: a changed schedule is rebuilt by
+    the caller) and this rank's RNG from `path` on every rank (the weights went in earlier: load_weights); return its
+    state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     state = read_state(path)
@@ -194,7 +208,8 @@ def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
         set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
                                  torch.load(os.path.join(path, "optimizer.pt"), weights_only=False),
                                  options=StateDictOptions(full_state_dict=True))
-        scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
+        if scheduler is not None:
+            scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
         rng_states = torch.load(os.path.join(path, "rng_state.pt"), weights_only=False)
     except Exception as error:
         raise _resume_error(path, error) from None

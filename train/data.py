@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from train.errors import UserError
+from train.errors import UserError, one_line
 
 # File suffix -> `datasets` builder. A .txt file is one document per file (not per line): long-context
 # training wants whole documents, and a book's line breaks are not document boundaries.
@@ -92,7 +92,7 @@ def load_text_dataset(source: str, *, split: str = "train") -> datasets.Dataset:
         where = _locate_json_error(files) if builder == "json" else None
         if where:
             raise UserError(f"{where}; fix or remove that line") from None
-        raise UserError(f"could not read {source} as {builder} ({type(e).__name__}: {_first_line(e)}); "
+        raise UserError(f"could not read {source} as {builder} ({type(e).__name__}: {one_line(e)}); "
                         "check that the file is valid") from None
     return _non_empty(ds, source)
 
@@ -123,7 +123,7 @@ def _locate_json_error(files: list[str]) -> str | None:
                 continue  # one valid JSON document
             except json.JSONDecodeError as e:
                 if not e.msg.startswith("Extra data"):  # else: JSON lines in a .json file, scan them below
-                    return f"could not read {path}: line {e.lineno} is not valid JSON ({e.msg}, column {e.colno})"
+                    return f"could not read {path}: line {e.lineno} is not valid JSON ({_json_problem(e)})"
         where = _first_bad_json_line(path)
         if where:
             return where
@@ -136,13 +136,20 @@ def _first_bad_json_line(path: str) -> str | None:
             if not line.strip():
                 continue  # blank lines are skipped by the reader too
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))  # a line cut short: "Unterminated string"
             except json.JSONDecodeError as e:
-                return f"could not read {path}: line {number} is not valid JSON ({e.msg}, column {e.colno})"
+                return f"could not read {path}: line {number} is not valid JSON ({_json_problem(e)})"
             if not isinstance(record, dict):
                 return (f"could not read {path}: line {number} is not a JSON object (got {type(record).__name__}; "
                         'each line must be one {"column": value, ...} record)')
     return None
+
+
+def _json_problem(error: json.JSONDecodeError) -> str:
+    """"Invalid control character at column 22": json's message ends in "at" when it names a place, which its own
+    str() then completes ("at: line 1 column 22 (char 21)")."""
+    where = f"column {error.colno}"
+    return f"{error.msg} {where}" if error.msg.endswith(" at") else f"{error.msg} at {where}"
 
 
 def _load_from_hub(name: str, split: str) -> datasets.Dataset:
@@ -150,13 +157,8 @@ def _load_from_hub(name: str, split: str) -> datasets.Dataset:
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # network, unknown name, unknown split...
         raise UserError(f"could not load dataset '{name}' split '{split}' from the hub "
-                        f"({type(e).__name__}: {_first_line(e)}); check the name, or pass a local file") from None
+                        f"({type(e).__name__}: {one_line(e)}); check the name, or pass a local file") from None
     return _non_empty(ds, name)
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else "no details"
 
 
 def _non_empty(ds: datasets.Dataset, source: str) -> datasets.Dataset:

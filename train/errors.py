@@ -3,3 +3,9 @@
 
 class UserError(Exception):
     """A mistake in the user's input, with a message that says what to do."""
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of an error's message, for quoting a library's error inside a UserError."""
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__

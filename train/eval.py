@@ -1,4 +1,4 @@
-"""Long-context evaluation: passkey retrieval accuracy and long-document perplexity.
+"""`python -m train.eval`: passkey retrieval accuracy and long-document perplexity (train.metrics) of a model.
 
     python -m train.eval --adapter DIR                       # the model a train.qlora run trained, as it trained it
     python -m train.eval --model_name_or_path M [--rope_scaling yarn --rope_factor 4] [--bits 4]
@@ -9,141 +9,62 @@
 a directory without one, such as checkpoint-N, the base from peft's adapter_config.json), and, unless
 given, the passkey settings of the run's own evaluation, so it reproduces eval.json's "after". Flags
 override the run; one that contradicts it prints a warning line. RoPE flags are applied by
-train.model's functions, exactly as training applies them. With neither --adapter nor a model named
-it evaluates the tiny model shipped in train/assets/tiny-llama.
-Both metrics work on a plain, a peft (LoRA) or a bitsandbytes 4-bit model.
+train.rope, exactly as training applies them. With neither --adapter nor a model named
+it evaluates the tiny model shipped in train/assets/tiny-llama. The results go to --output_json, by default
+DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.json.
+Flags follow train.qlora's conventions (train.args): a mistake is one `error:` line, exit 2.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import random
+import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from train import run_dir
+from train.args import TINY_LLAMA_DIR, _opt, build_parser, parse_tokens
 from train.errors import UserError
 from train.lifecycle import silence_library_noise
-from train.passkey import DEFAULT_KEY_DIGITS, min_passkey_length, passkey_case, random_key
+from train.metrics import EVAL_SEED, check_passkey_lengths, format_table, passkey_accuracy, perplexity
+from train.rope import ROPE_TYPES, check_rope_flags, set_rope_scaling
 
-TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-llama"
 DEFAULT_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
+DEFAULT_OUTPUT_DIR = "outputs/eval"  # results of a model evaluated without --adapter: <model directory name>.json
 
 
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
+@dataclass
+class EvalArgs:
+    """Model and measurements"""
 
-
-def answer_is_correct(generated: str, key: str) -> bool:
-    """Exact match of the answer: the greedy continuation starts with the key (after whitespace).
-
-    What follows the key is not judged, as in LongLoRA / Landmark Attention, which generate exactly the
-    answer's tokens; we generate a few more only so that tokenizers that split the key differently
-    from the reference answer are not penalised."""
-    return generated.lstrip().startswith(key)
-
-
-def _greedy(model, batch: torch.Tensor, max_new_tokens: int, pad_token_id) -> torch.Tensor:
-    """Greedy continuation of equal-length prompts [B, L] -> new tokens [B, max_new_tokens]."""
-    out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=False,
-                         max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
-    return out[:, batch.shape[1]:]
-
-
-def _passkey_cases(tokenizer, lengths, depths, trials: int, seed: int, key_digits: int) -> list[dict]:
-    """One prompt per (length, depth, trial), sized like a training row of `length` tokens (prompt +
-    answer + EOS), so evaluating at the training length never positions a token beyond it."""
-    rng = random.Random(seed)
-    cases = []
-    for length in lengths:
-        for depth in depths:
-            for _ in range(trials):
-                key = random_key(rng, key_digits)
-                prompt, answer = passkey_case(tokenizer, length, depth, key, rng)
-                cases.append({"length": length, "depth": depth, "key": key, "prompt": prompt, "answer": answer})
-    return cases
-
-
-def check_passkey_lengths(tokenizer, lengths, key_digits: int = DEFAULT_KEY_DIGITS) -> None:
-    shortest = min_passkey_length(tokenizer, key_digits)
-    if min(lengths) < shortest:
-        raise UserError(f"passkey length {min(lengths)} is too short for this tokenizer; use lengths of at least "
-                        f"{shortest + 32} (the key line, question and answer alone take {shortest} tokens)")
-
-
-@torch.no_grad()
-def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed: int = 0,
-                     batch_size: int = 8, key_digits: int = DEFAULT_KEY_DIGITS) -> dict:
-    """Greedy-decode the pass key for every (length, depth, trial); exact match.
-
-    Returns {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc}, "accuracy": acc}.
-    Prompts of equal token length are batched (no padding needed); batch_size bounds memory.
-    """
-    check_passkey_lengths(tokenizer, lengths, key_digits)
-    cases = _passkey_cases(tokenizer, lengths, depths, trials, seed, key_digits)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    was_training = model.training
-    model.eval()
-    try:
-        by_len: dict[int, list[dict]] = {}
-        for case in cases:
-            by_len.setdefault(len(case["prompt"]), []).append(case)
-        for group in by_len.values():
-            for i in range(0, len(group), batch_size):
-                chunk = group[i:i + batch_size]
-                batch = torch.tensor([c["prompt"] for c in chunk], dtype=torch.long, device=_device(model))
-                # A few tokens beyond the answer so that a longer (wrong) number is caught.
-                new = _greedy(model, batch, max(len(c["answer"]) for c in chunk) + 2, pad_id)
-                for c, ids in zip(chunk, new.tolist()):
-                    c["correct"] = answer_is_correct(tokenizer.decode(ids, skip_special_tokens=True), c["key"])
-    finally:
-        model.train(was_training)
-    return _summarise(cases, lengths, depths)
-
-
-def _summarise(cases: list[dict], lengths, depths) -> dict:
-    def mean(xs):
-        return sum(xs) / len(xs) if xs else 0.0
-
-    by_length_depth = {
-        length: {depth: mean([c["correct"] for c in cases if c["length"] == length and c["depth"] == depth])
-                 for depth in depths}
-        for length in lengths}
-    by_length = {length: mean([c["correct"] for c in cases if c["length"] == length]) for length in lengths}
-    return {"by_length_depth": by_length_depth, "by_length": by_length,
-            "accuracy": mean([c["correct"] for c in cases])}
-
-
-@torch.no_grad()
-def perplexity(model, tokenizer, texts, *, max_seq_len: int) -> float:
-    """Token-weighted perplexity of held-out documents, each cut into non-overlapping chunks of at most
-    max_seq_len tokens (every chunk is scored on its own, so this measures the model at that context).
-
-    Uses the model's own loss (labels=input_ids) rather than logits, so it also works when a patch
-    computes the loss chunk by chunk without materialising logits.
-    """
-    total_nll, total_tokens = 0.0, 0
-    was_training = model.training
-    model.eval()
-    try:
-        for text in texts:
-            ids = tokenizer(text)["input_ids"]
-            for start in range(0, len(ids), max_seq_len):
-                chunk = ids[start:start + max_seq_len]
-                if len(chunk) < 2:  # nothing to predict
-                    continue
-                x = torch.tensor([chunk], dtype=torch.long, device=_device(model))
-                loss = model(input_ids=x, labels=x).loss  # mean over len(chunk) - 1 predictions
-                total_nll += loss.float().item() * (len(chunk) - 1)
-                total_tokens += len(chunk) - 1
-    finally:
-        model.train(was_training)
-    if total_tokens == 0:
-        raise UserError("perplexity: the texts have no tokens to score; pass non-empty documents")
-    return math.exp(total_nll / total_tokens)
+    adapter: str | None = _opt(
+        None, "output_dir of a train.qlora run (or a checkpoint-N): evaluates the model it trained, with the base, "
+        "RoPE scaling and bits it records; the flags below override them. No default: without it, --model_name_or_path.")
+    model_name_or_path: str | None = _opt(
+        None, "Base model (default: the run's with --adapter, else the shipped tiny model).")
+    rope_scaling: str | None = _opt(None, "RoPE scaling, applied as train.qlora applies it (default: the run's, else "
+                                    "none).", choices=ROPE_TYPES, aliases=("--rope_type",))
+    rope_factor: float | None = _opt(
+        None, "RoPE scaling factor (default with --rope_scaling: the longest --lengths over the model's positions, "
+        "as training derives it from --max_seq_len).")
+    bits: int | None = _opt(None, "Base weights: 4 = NF4, 8 = int8, 16 = unquantised (default: the run's, else 16).",
+                            choices=(4, 8, 16))
+    load_in_4bit: bool = _opt(False, "Same as --bits 4.")
+    lengths: list[int] | None = _opt(None, "Passkey context lengths (default: the run's evaluation, else 256 1024).")
+    depths: list[float] | None = _opt(
+        None, f"Passkey depths (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))}).")
+    trials: int | None = _opt(None, "Trials per (length, depth) (default: the run's, else 5).")
+    seed: int | None = _opt(None, "Prompt seed (default: the run's evaluation seed, else 0).")
+    batch_size: int = _opt(8, "Passkey prompts decoded together (bounds memory).")
+    dataset: str | None = _opt(None, "Held-out documents for perplexity (local file/dir or hub name); no default: "
+                               "without it, no perplexity.")
+    text_field: str = _opt("text", "Column of --dataset holding the documents.")
+    max_seq_len: int | None = _opt(None, "Perplexity context (default: the largest --lengths).")
+    max_docs: int = _opt(100, "At most this many documents of --dataset are scored.")
+    output_json: str | None = _opt(None, "Where the results go (default: ADAPTER/eval_results.json with --adapter, "
+                                   "else outputs/eval/<model directory name>.json).")
 
 
 # ---------------------------------------------------------------- what to evaluate
@@ -160,15 +81,15 @@ class EvalModel:
     run: object | None  # train.model.TrainedRun when --adapter is given
 
 
-def plan_model(args: argparse.Namespace) -> EvalModel:
+def plan_model(args: EvalArgs) -> EvalModel:
     """Base, RoPE scaling and bits: a run's own (--adapter), each replaced by its flag when given, with one
     warning line per flag that contradicts what the run was trained with. Cheap: configs only."""
-    from train.model import load_config, read_run
+    from train.model import check_weight_files, load_config, read_run
 
     run = read_run(args.adapter, model_name_or_path=args.model_name_or_path) if args.adapter else None
     fill_passkey_defaults(args, run.info if run else None)
     if run is None:
-        base, trust_remote_code = args.model_name_or_path or str(TINY_MODEL_DIR), False
+        base, trust_remote_code = args.model_name_or_path or str(TINY_LLAMA_DIR), False
         config = load_config(base, trust_remote_code)
     else:
         base, trust_remote_code, config = run.model_name_or_path, run.trust_remote_code, run.config
@@ -180,6 +101,7 @@ def plan_model(args: argparse.Namespace) -> EvalModel:
         # From the base's own config, exactly as training scales it.
         config = load_config(base, trust_remote_code)
         _scale_rope(config, args, run)
+    check_weight_files(base)
     bits = args.bits or (run.bits if run else 16)
     if run is not None and run.info is not None:
         _warn_contradictions(run, base, config, bits)
@@ -190,11 +112,9 @@ def plan_model(args: argparse.Namespace) -> EvalModel:
     return EvalModel(base, config, bits, trust_remote_code, args.adapter if adapter_tokenizer else base, run)
 
 
-def fill_passkey_defaults(args: argparse.Namespace, info: dict | None) -> None:
+def fill_passkey_defaults(args: EvalArgs, info: dict | None) -> None:
     """Passkey settings not given as flags: those of the run's own evaluation when `info` (run_info.json)
     has them, so `--adapter DIR` alone reproduces the run's eval.json "after"; else the defaults."""
-    from train.qlora import EVAL_SEED
-
     trained = (info or {}).get("args") or {}
     if "max_seq_len" in trained:
         defaults = {"lengths": trained.get("eval_lengths") or [trained["max_seq_len"]],
@@ -207,14 +127,12 @@ def fill_passkey_defaults(args: argparse.Namespace, info: dict | None) -> None:
             setattr(args, name, value)
 
 
-def _scale_rope(config, args: argparse.Namespace, run) -> None:
-    """--rope_scaling / --rope_factor on the base config, through training's own set_rope_scaling."""
-    from train.model import set_rope_scaling
-
+def _scale_rope(config, args: EvalArgs, run) -> None:
+    """--rope_scaling / --rope_factor on the base config, through training's own set_rope_scaling; --rope_factor
+    alone keeps the run's RoPE type."""
     trained = (run.info or {}).get("rope_parameters") if run else None  # None: the run set no scaling
     kind = args.rope_scaling or (trained or {}).get("rope_type")
-    if kind is None:
-        raise UserError("--rope_factor needs --rope_scaling (linear, dynamic, yarn or llama3)")
+    check_rope_flags(kind, args.rope_factor)
     factor, original = args.rope_factor, getattr(config, "max_position_embeddings", None)
     if factor is None and original:
         # As training derives it from --max_seq_len: the longest evaluated length over the model's positions.
@@ -222,8 +140,6 @@ def _scale_rope(config, args: argparse.Namespace, run) -> None:
             raise UserError(f"--rope_scaling {kind} without --rope_factor: the longest --lengths, {max(args.lengths)}, "
                             f"fits the model's {original} positions, so no factor can be derived; give --rope_factor")
         factor = max(args.lengths) / original
-    if factor is not None and factor < 1:
-        raise UserError(f"--rope_factor must be >= 1 (it stretches the positions), got {factor}")
     # No check that --lengths fit the stretched positions: evaluating past them is a legitimate extrapolation test.
     set_rope_scaling(config, kind, factor)
 
@@ -244,9 +160,7 @@ def _same_model(a: str, b: str | None) -> bool:
 
 def _warn_contradictions(run, base: str, config, bits: int) -> None:
     """One warning line per flag that changes the model the run trained (run.config: the run's RoPE)."""
-    from train.model import RUN_INFO_FILE
-
-    source = Path(run.adapter_dir) / RUN_INFO_FILE
+    source = Path(run.adapter_dir) / run_dir.RUN_INFO_FILE
     lines = []
     if not _same_model(base, run.trained_base):
         lines.append(f"--model_name_or_path {base} replaces the base the run was trained on ({run.trained_base})")
@@ -260,13 +174,16 @@ def _warn_contradictions(run, base: str, config, bits: int) -> None:
         print(f"warning: {text} (from {source}): this evaluates another model than the one trained", file=sys.stderr)
 
 
-def load_for_eval(args: argparse.Namespace):
-    """(model, tokenizer) that `args` name: for --adapter, the run's own model, loaded by train.model's code."""
+def load_for_eval(args: EvalArgs, output: str | None = None):
+    """(model, tokenizer) that `args` name: for --adapter, the run's own model, loaded by train.model's code. Every
+    check comes before the weights are read, that `output` (the results file) can be written included."""
     from train.model import load_tokenizer
 
     plan = plan_model(args)
     tokenizer = load_tokenizer(plan.tokenizer_source, plan.trust_remote_code)
-    check_passkey_lengths(tokenizer, args.lengths)  # before paying for the weights
+    check_passkey_lengths(tokenizer, args.lengths)
+    if output is not None:
+        run_dir.check_writable(os.path.dirname(output) or ".", "--output_json's directory")
     return _load_weights(plan), tokenizer
 
 
@@ -280,54 +197,32 @@ def _load_weights(plan: EvalModel):
                      trust_remote_code=plan.trust_remote_code)
 
 
-def format_table(result: dict) -> str:
-    depths = list(next(iter(result["by_length_depth"].values())))
-    names = [f"d={d:g}".rjust(4) for d in depths]
-    header = "length | " + " | ".join(names) + " |  all"
-    lines = [header, "-" * len(header)]
-    for length, row in result["by_length_depth"].items():
-        cells = " | ".join(f"{row[d]:.2f}".rjust(len(n)) for d, n in zip(depths, names))
-        lines.append(f"{length:>6} | {cells} | {result['by_length'][length]:.2f}")
-    lines.append(f"passkey accuracy: {result['accuracy']:.3f}")
-    return "\n".join(lines)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    from train.model import ROPE_EXTRA
-
-    p = argparse.ArgumentParser(prog="python -m train.eval", description="Passkey retrieval and long-document perplexity.")
-    p.add_argument("--adapter", default=None,
-                   help="output_dir of a train.qlora run (or a checkpoint-N): evaluates the model it trained, with the "
-                   "base, RoPE scaling and bits it records; the flags below override them")
-    p.add_argument("--model_name_or_path", default=None,
-                   help="base model (default: the run's with --adapter, else the shipped tiny model)")
-    p.add_argument("--rope_scaling", "--rope_type", dest="rope_scaling", default=None, choices=list(ROPE_EXTRA),
-                   help="RoPE scaling, applied as train.qlora applies it (default: the run's, else none)")
-    p.add_argument("--rope_factor", type=float, default=None,
-                   help="RoPE scaling factor (default with --rope_scaling: the longest --lengths over the model's "
-                   "positions, as training derives it from --max_seq_len)")
-    p.add_argument("--bits", type=int, default=None, choices=[4, 8, 16],
-                   help="base weights: 4 = NF4, 8 = int8, 16 = unquantised (default: the run's, else 16)")
-    p.add_argument("--load_in_4bit", dest="bits", action="store_const", const=4, help="same as --bits 4")
-    p.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="passkey context lengths (default: the run's evaluation, else 256 1024)")
-    p.add_argument("--depths", type=float, nargs="+", default=None,
-                   help=f"passkey depths (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))})")
-    p.add_argument("--trials", type=int, default=None, help="trials per (length, depth) (default: the run's, else 5)")
-    p.add_argument("--seed", type=int, default=None, help="prompt seed (default: the run's evaluation seed, else 0)")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--dataset", default=None, help="held-out documents for perplexity (local file/dir or hub name)")
-    p.add_argument("--text_field", default="text")
-    p.add_argument("--max_seq_len", type=int, default=None, help="perplexity context (default: the largest --lengths)")
-    p.add_argument("--max_docs", type=int, default=100)
-    p.add_argument("--output_json", default=None)
-    return p.parse_args(argv)
-
-
-def run(args: argparse.Namespace) -> dict:
+def parse_args(argv=None) -> EvalArgs:
+    parser = build_parser((EvalArgs,), prog="python -m train.eval", default_run=None, config_flag=False,
+                          description="Passkey retrieval and long-document perplexity of a model or a train.qlora run.")
+    args = EvalArgs(**parse_tokens(parser, sys.argv[1:] if argv is None else [str(a) for a in argv]))
+    if args.load_in_4bit:
+        args.bits = 4
     if (args.trials is not None and args.trials < 1) or any(length < 1 for length in args.lengths or []):
         raise UserError("--trials and every --lengths value must be positive integers")
-    model, tokenizer = load_for_eval(args)
+    for name in ("batch_size", "max_docs", "max_seq_len"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    return args
+
+
+def output_path(args: EvalArgs) -> str:
+    if args.output_json:
+        return args.output_json
+    if args.adapter:
+        return os.path.join(args.adapter, run_dir.EVAL_RESULTS_FILE)
+    name = Path(args.model_name_or_path or TINY_LLAMA_DIR).name or "model"
+    return os.path.join(DEFAULT_OUTPUT_DIR, f"{name}.json")
+
+
+def run(args: EvalArgs) -> dict:
+    output = output_path(args)
+    model, tokenizer = load_for_eval(args, output)
     result = passkey_accuracy(model, tokenizer, lengths=args.lengths, depths=args.depths,
                               trials=args.trials, seed=args.seed, batch_size=args.batch_size)
     print(format_table(result))
@@ -346,11 +241,9 @@ def run(args: argparse.Namespace) -> dict:
     config = model.get_base_model().config if args.adapter else model.config
     result["rope_parameters"] = config.rope_parameters
     result["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
-    result["args"] = vars(args)  # as resolved: the run's base, bits and passkey settings filled in
-    if args.output_json:
-        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    result["args"] = dataclasses.asdict(args)  # as resolved: the run's base, bits and passkey settings filled in
+    run_dir.write_json(output, result)
+    print(f"results written to {output}", file=sys.stderr)
     return result
 
 

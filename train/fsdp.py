@@ -16,7 +16,7 @@ What sharding asks of the rest of the run:
   optimizer state goes through torch.distributed.checkpoint's full state dict (train.checkpoint).
 - Every rank must run every forward (all-gathers): evaluation runs on all ranks, the main one reports.
 - Gradients are reduce-scattered as averages over all processes, as DDP's are: the loss scaling of
-  train.qlora.train_step holds unchanged, with or without sequence parallelism (FSDP over all processes, each
+  train.loop.train_step holds unchanged, with or without sequence parallelism (FSDP over all processes, each
   sequence-parallel group inside it).
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import sys
 import torch
 
 from train.errors import UserError
+from train.parallel import launched_world_size
 
 LAUNCHER_FSDP_ENV = "ACCELERATE_USE_FSDP"  # set by `accelerate launch` for a config with distributed_type FSDP
 
@@ -44,7 +45,7 @@ def check_fsdp(args, config) -> None:
     shard over: --fsdp is dropped with a note."""
     if not args.fsdp:
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launched_world_size() == 1:
         print("note: --fsdp with one process has nothing to shard over; training unsharded (launch several "
               "processes with accelerate launch --num_processes N to shard)", file=sys.stderr, flush=True)
         args.fsdp = False

@@ -17,6 +17,7 @@ import torch
 
 from train import checkpoint
 from train.args import Args
+from train.parallel import launched_world_size
 
 # ---------------------------------------------------------------- SIGINT / SIGTERM
 
@@ -152,7 +153,7 @@ def resume_command(argv: list[str]) -> str:
         if not argv[i].startswith("--resume_from_checkpoint="):
             kept.append(argv[i])
         i += 1
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    distributed = launched_world_size() > 1
     launcher = ("accelerate launch <the same launch options> -m train.qlora" if distributed
                 else "python -m train.qlora")
     return f"{launcher} {shlex.join([*kept, '--resume_from_checkpoint', 'latest'])}"
@@ -182,7 +183,7 @@ def _tell_launcher(message: str) -> None:
 
 def leave(message: str, code: int) -> int:
     """Print one line (main process only), tear down the process group, return the exit status."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launched_world_size() > 1:
         SIGNALS.ignore_until_exit()
     if is_main_process():
         print(message, file=sys.stderr, flush=True)

@@ -2,14 +2,12 @@
 
     base (4-bit NF4 / 8-bit / 16-bit) -> prepare_model_for_kbit_training -> LoRA -> apply_bpt_patch
 
-Cheap checks (`load_config`, `check_bpt_support`, `apply_rope_scaling`) run on the config alone,
+Cheap checks (`load_config`, `check_weight_files`, `check_bpt_support`, `load_tokenizer`; RoPE: train.rope) run
 before any weights are read, so user mistakes fail in a second.
 """
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -17,22 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from train.errors import UserError
-from train.qlora import RUN_INFO_FILE  # what a run writes last into its --output_dir
-
-ROPE_EXTRA = {  # keys each scaling type needs besides rope_type, factor and rope_theta
-    "linear": {},
-    "dynamic": {},
-    "yarn": {"original_max_position_embeddings": None},
-    "llama3": {"original_max_position_embeddings": None, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
-}
-
-
-def one_line(error: BaseException) -> str:
-    """The first line of an error's message (UserErrors are printed as one line)."""
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
-
+from train.errors import UserError, one_line
+from train.run_dir import ADAPTER_CONFIG_FILE, RUN_INFO_FILE, read_adapter_dir
 
 def load_config(name_or_path: str, trust_remote_code: bool):
     """The model's config, or UserError when the model cannot be found or read."""
@@ -84,75 +68,46 @@ def check_packing(config, packing: bool) -> None:
                         "across documents); pass --no_packing to train one document per row")
 
 
-def apply_rope_scaling(config, max_seq_len: int, kind: str | None, factor: float | None) -> float | None:
-    """Check that max_seq_len fits the model's positions and set RoPE scaling on `config` in place.
-
-    The factor defaults to max_seq_len / max_position_embeddings. Returns the factor used (None when
-    no scaling is set). transformers 5 keeps RoPE settings in config.rope_parameters.
-    """
-    original = getattr(config, "max_position_embeddings", None)
-    if kind is None:
-        if original is not None and max_seq_len > original:
-            raise UserError(
-                f"--max_seq_len {max_seq_len} is beyond the model's max_position_embeddings {original} and no RoPE "
-                f"scaling is set: add --rope_scaling linear (factor {max_seq_len / original:g} is derived) or lower "
-                f"--max_seq_len to {original}")
-        return None
-    _check_rotary(config)
-    if factor is None:
-        if max_seq_len <= original:
-            warnings.warn(f"--max_seq_len {max_seq_len} fits the model's {original} positions: --rope_scaling "
-                          f"{kind} is not applied")
-            return None
-        factor = max_seq_len / original
-    if max_seq_len > original * factor:
-        raise UserError(f"--rope_factor {factor:g} stretches {original} positions to {original * factor:g}, fewer "
-                        f"than --max_seq_len {max_seq_len}: raise it to {max_seq_len / original:g} or omit it")
-    set_rope_scaling(config, kind, factor)
-    return float(factor)
-
-
-def _check_rotary(config) -> None:
-    rope = getattr(config, "rope_parameters", None)
-    if getattr(config, "max_position_embeddings", None) is None or not isinstance(rope, dict):
-        raise UserError(f"--rope_scaling needs a model with rotary position embeddings; {config.model_type} has "
-                        "none. Drop --rope_scaling and keep --max_seq_len within the model's positions")
-    if config.nested_rope_parameter_keys(rope):
-        raise UserError(f"--rope_scaling is not supported for {config.model_type}, whose RoPE differs per layer "
-                        "type; drop --rope_scaling")
-
-
-def set_rope_scaling(config, kind: str, factor: float) -> None:
-    """Write RoPE scaling `kind` x `factor` onto the base model's `config` in place.
-
-    The one place that builds the scaled RoPE: training (apply_rope_scaling) and `train.eval` flags both
-    call it, so an evaluated model positions tokens exactly as the trained one did."""
-    _check_rotary(config)
-    rope, original = config.rope_parameters, config.max_position_embeddings
-    if rope.get("rope_type", "default") != "default":
-        warnings.warn(f"replacing the model's own {rope['rope_type']} RoPE scaling with {kind} x{factor:g}")
-    params = {"rope_type": kind, "factor": float(factor), "rope_theta": rope.get("rope_theta", config.default_theta)}
-    params.update({key: (original if value is None else value) for key, value in ROPE_EXTRA[kind].items()})
-    if "partial_rotary_factor" in rope:
-        params["partial_rotary_factor"] = rope["partial_rotary_factor"]
-    config.rope_parameters = params
-    if kind != "dynamic":
-        # Dynamic NTK computes its stretch relative to max_position_embeddings, so that must stay the
-        # original length; the others now position original * factor tokens.
-        config.max_position_embeddings = math.ceil(original * factor)
+# Files of which a saved tokenizer has at least one (fast tokenizers, sentencepiece, BPE / WordPiece vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt")
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool):
+    local = os.path.expanduser(name_or_path)
+    if os.path.isdir(local) and not any(os.path.isfile(os.path.join(local, name)) for name in TOKENIZER_FILES):
+        raise UserError(f"model directory {name_or_path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save "
+                        f"the base model's tokenizer there with tokenizer.save_pretrained(\"{name_or_path}\")")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as error:
-        raise UserError(f"cannot load the tokenizer of {name_or_path}: {one_line(error)}") from None
+        raise UserError(f"cannot load the tokenizer of {name_or_path}: {' '.join(str(error).split())}; save a "
+                        f"working tokenizer there with tokenizer.save_pretrained") from None
     if tokenizer.pad_token is None:
         fallback = tokenizer.eos_token or tokenizer.unk_token
         if fallback is None:
             raise UserError(f"the tokenizer of {name_or_path} has no pad, eos or unk token to pad with")
         tokenizer.pad_token = fallback
     return tokenizer
+
+
+def check_weight_files(name_or_path: str) -> None:
+    """UserError naming the first unreadable *.safetensors file of a local model directory (a download cut short,
+    a full disk): found from the files' headers alone, before any data work or weight loading."""
+    from safetensors import safe_open
+
+    local = os.path.expanduser(name_or_path)
+    if not os.path.isdir(local):
+        return  # a hub name: the hub's files are checked on download
+    for name in sorted(os.listdir(local)):
+        if name.endswith(".safetensors"):
+            path = os.path.join(local, name)
+            try:
+                with safe_open(path, framework="pt"):
+                    pass
+            except Exception as error:  # SafetensorError, OSError: either way the file cannot be loaded
+                raise UserError(f"model file {path} is unreadable ({one_line(error)}): it is incomplete or corrupt; "
+                                "copy or download it again") from None
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
@@ -286,9 +241,6 @@ def merge_adapter(args, config, adapter_dir: str, merged_dir: str, tokenizer) ->
     tokenizer.save_pretrained(merged_dir)
 
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's
-
-
 @dataclass
 class TrainedRun:
     """What rebuilding a run's model takes, read from its output_dir before any weights are loaded."""
@@ -308,13 +260,7 @@ def read_run(output_dir: str, *, model_name_or_path: str | None = None) -> Train
     run_info.json (written by train.qlora when a run finishes) records all three. Without it (a
     checkpoint-N, an adapter trained elsewhere) the base is peft's adapter_config.json
     base_model_name_or_path, with the base's own RoPE and 16 bits. `model_name_or_path` replaces the base."""
-    if not os.path.isdir(output_dir):
-        raise UserError(f"adapter directory {output_dir} does not exist; pass the --output_dir of a train.qlora run")
-    info = _read_json(os.path.join(output_dir, RUN_INFO_FILE))
-    adapter_config = _read_json(os.path.join(output_dir, ADAPTER_CONFIG_FILE))
-    if adapter_config is None:
-        raise UserError(f"{output_dir} holds no LoRA adapter (no {ADAPTER_CONFIG_FILE}); pass the --output_dir of a "
-                        "finished train.qlora run or one of its checkpoint-N directories")
+    info, adapter_config = read_adapter_dir(output_dir)
     recorded = (info or {}).get("model_name_or_path") or adapter_config.get("base_model_name_or_path")
     base = model_name_or_path or recorded
     if not base:
@@ -333,16 +279,6 @@ def read_run(output_dir: str, *, model_name_or_path: str | None = None) -> Train
         config.max_position_embeddings = info["max_position_embeddings"]
     bits = int((info or {}).get("bits", 16))
     return TrainedRun(output_dir, base, recorded, config, bits, trust_remote_code, info)
-
-
-def _read_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot read {path}: {one_line(error)}") from None
 
 
 def load_run_model(run: TrainedRun, device: torch.device | str = "cpu"):

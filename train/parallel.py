@@ -12,6 +12,12 @@ from dataclasses import dataclass
 from train.errors import UserError
 
 
+def launched_world_size() -> int:
+    """Processes in this launch, from the launcher's environment (1 without a launcher); readable before any
+    process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 @dataclass(frozen=True)
 class Layout:
     world: int  # processes in the run
@@ -31,7 +37,7 @@ class Layout:
 
 def check_layout(args, world: int | None = None) -> None:
     """UserError (before any model is loaded) when --sequence_parallel cannot split this launch."""
-    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    world = launched_world_size() if world is None else world
     n = args.sequence_parallel
     if n == 1:
         return

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from train.metrics import evaluation_mode, passkey_accuracy
 from train.passkey import filler_document, min_passkey_length, passkey_dataset, passkey_sample
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -126,10 +127,8 @@ def quick_passkey_accuracy(model, tokenizer, length: int, n: int, seed: int) -> 
     prefix) and costs one batched forward pass. For progress reports; the final number uses train.eval."""
     ds = passkey_dataset(tokenizer, n, length, seed, answer_only_loss=True)
     ids, labels = torch.tensor(list(ds["input_ids"])), torch.tensor(list(ds["labels"]))
-    was_training = model.training
-    model.eval()
-    pred = model(input_ids=ids).logits[:, :-1].argmax(-1)
-    model.train(was_training)
+    with evaluation_mode(model):
+        pred = model(input_ids=ids).logits[:, :-1].argmax(-1)
     target, scored = labels[:, 1:], labels[:, 1:] != -100
     scored[:, -1] = False  # the closing EOS: greedy exact match judges the key only
     hit = pred == target
@@ -228,8 +227,6 @@ def main(argv=None) -> None:
     tokenizer.save_pretrained(args.output_dir)
     # The weights file is written owner-only; shipped assets must be readable by everyone.
     os.chmod(os.path.join(args.output_dir, "model.safetensors"), 0o644)
-
-    from train.eval import passkey_accuracy
 
     final = passkey_accuracy(model, tokenizer, lengths=[args.seq_len], depths=[0.0, 0.25, 0.5, 0.75, 1.0],
                              trials=20, seed=12345)

@@ -1,0 +1,142 @@
+"""The long-context metrics: passkey retrieval accuracy and long-document perplexity, on a plain, a peft (LoRA) or a
+bitsandbytes 4-bit model. Used by training (train.qlora's evaluation before / after) and by `python -m train.eval`."""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import torch
+
+from train.errors import UserError
+from train.passkey import DEFAULT_KEY_DIGITS, min_passkey_length, passkey_case, random_key
+
+EVAL_SEED = 12345  # passkey prompts of a run's evaluation: disjoint from the training data's seed stream
+
+
+@contextlib.contextmanager
+def evaluation_mode(model):
+    """model.eval() inside, the model's own train/eval mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def answer_is_correct(generated: str, key: str) -> bool:
+    """Exact match of the answer: the greedy continuation starts with the key (after whitespace).
+
+    What follows the key is not judged, as in LongLoRA / Landmark Attention, which generate exactly the
+    answer's tokens; we generate a few more only so that tokenizers that split the key differently
+    from the reference answer are not penalised."""
+    return generated.lstrip().startswith(key)
+
+
+def _greedy(model, batch: torch.Tensor, max_new_tokens: int, pad_token_id) -> torch.Tensor:
+    """Greedy continuation of equal-length prompts [B, L] -> new tokens [B, max_new_tokens]."""
+    out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=False,
+                         max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
+    return out[:, batch.shape[1]:]
+
+
+def _passkey_cases(tokenizer, lengths, depths, trials: int, seed: int, key_digits: int) -> list[dict]:
+    """One prompt per (length, depth, trial), sized like a training row of `length` tokens (prompt +
+    answer + EOS), so evaluating at the training length never positions a token beyond it."""
+    rng = random.Random(seed)
+    cases = []
+    for length in lengths:
+        for depth in depths:
+            for _ in range(trials):
+                key = random_key(rng, key_digits)
+                prompt, answer = passkey_case(tokenizer, length, depth, key, rng)
+                cases.append({"length": length, "depth": depth, "key": key, "prompt": prompt, "answer": answer})
+    return cases
+
+
+def check_passkey_lengths(tokenizer, lengths, key_digits: int = DEFAULT_KEY_DIGITS) -> None:
+    shortest = min_passkey_length(tokenizer, key_digits)
+    if min(lengths) < shortest:
+        raise UserError(f"passkey length {min(lengths)} is too short for this tokenizer; use lengths of at least "
+                        f"{shortest + 32} (the key line, question and answer alone take {shortest} tokens)")
+
+
+@torch.no_grad()
+def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed: int = 0,
+                     batch_size: int = 8, key_digits: int = DEFAULT_KEY_DIGITS) -> dict:
+    """Greedy-decode the pass key for every (length, depth, trial); exact match.
+
+    Returns {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc}, "accuracy": acc}.
+    Prompts of equal token length are batched (no padding needed); batch_size bounds memory.
+    """
+    check_passkey_lengths(tokenizer, lengths, key_digits)
+    cases = _passkey_cases(tokenizer, lengths, depths, trials, seed, key_digits)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with evaluation_mode(model):
+        by_len: dict[int, list[dict]] = {}
+        for case in cases:
+            by_len.setdefault(len(case["prompt"]), []).append(case)
+        for group in by_len.values():
+            for i in range(0, len(group), batch_size):
+                chunk = group[i:i + batch_size]
+                batch = torch.tensor([c["prompt"] for c in chunk], dtype=torch.long, device=_device(model))
+                # A few tokens beyond the answer so that a longer (wrong) number is caught.
+                new = _greedy(model, batch, max(len(c["answer"]) for c in chunk) + 2, pad_id)
+                for c, ids in zip(chunk, new.tolist()):
+                    c["correct"] = answer_is_correct(tokenizer.decode(ids, skip_special_tokens=True), c["key"])
+    return _summarise(cases, lengths, depths)
+
+
+def _summarise(cases: list[dict], lengths, depths) -> dict:
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else 0.0
+
+    by_length_depth = {
+        length: {depth: mean([c["correct"] for c in cases if c["length"] == length and c["depth"] == depth])
+                 for depth in depths}
+        for length in lengths}
+    by_length = {length: mean([c["correct"] for c in cases if c["length"] == length]) for length in lengths}
+    return {"by_length_depth": by_length_depth, "by_length": by_length,
+            "accuracy": mean([c["correct"] for c in cases])}
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, texts, *, max_seq_len: int) -> float:
+    """Token-weighted perplexity of held-out documents, each cut into non-overlapping chunks of at most
+    max_seq_len tokens (every chunk is scored on its own, so this measures the model at that context).
+
+    Uses the model's own loss (labels=input_ids) rather than logits, so it also works when a patch
+    computes the loss chunk by chunk without materialising logits.
+    """
+    total_nll, total_tokens = 0.0, 0
+    with evaluation_mode(model):
+        for text in texts:
+            ids = tokenizer(text)["input_ids"]
+            for start in range(0, len(ids), max_seq_len):
+                chunk = ids[start:start + max_seq_len]
+                if len(chunk) < 2:  # nothing to predict
+                    continue
+                x = torch.tensor([chunk], dtype=torch.long, device=_device(model))
+                loss = model(input_ids=x, labels=x).loss  # mean over len(chunk) - 1 predictions
+                total_nll += loss.float().item() * (len(chunk) - 1)
+                total_tokens += len(chunk) - 1
+    if total_tokens == 0:
+        raise UserError("perplexity: the texts have no tokens to score; pass non-empty documents")
+    return math.exp(total_nll / total_tokens)
+
+
+def format_table(result: dict) -> str:
+    depths = list(next(iter(result["by_length_depth"].values())))
+    names = [f"d={d:g}".rjust(4) for d in depths]
+    header = "length | " + " | ".join(names) + " |  all"
+    lines = [header, "-" * len(header)]
+    for length, row in result["by_length_depth"].items():
+        cells = " | ".join(f"{row[d]:.2f}".rjust(len(n)) for d, n in zip(depths, names))
+        lines.append(f"{length:>6} | {cells} | {result['by_length'][length]:.2f}")
+    lines.append(f"passkey accuracy: {result['accuracy']:.3f}")
+    return "\n".join(lines)
