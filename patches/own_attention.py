@@ -28,11 +28,19 @@ _VIEW_CLASSES: dict[type, type] = {}
 
 
 def _implementation(view) -> str:
-    return view._bpt_attention
+    try:
+        return view._bpt_attention
+    except AttributeError:  # built by its class's constructor (`type(config)(**settings)`): a plain config
+        return vars(view).get("_attn_implementation_internal")
 
 
 def _refuse(view, value):
-    if value != view._bpt_attention:
+    try:
+        own = view._bpt_attention
+    except AttributeError:  # a plain config (above): set as stock sets it
+        vars(view)["_attn_implementation_internal"] = value
+        return
+    if value != own:
         raise ValueError(f"this model is patched by apply_bpt_patch (blockwise attention); to use "
                          f"attn_implementation={value!r}, call remove() on its patch handle first (that restores "
                          "stock), then set it")

@@ -164,3 +164,17 @@ def test_patch_leaves_a_shared_config_and_its_other_models_alone(monkeypatch, na
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, expected[model])
         assert torch.equal(later(**batch).logits, expected[earlier])
+
+
+@pytest.mark.parametrize("name", ["llama", "bloom"])
+def test_a_config_rebuilt_from_the_patched_one_is_a_plain_config(name):
+    """`type(config)(**config.to_dict())` (peft does it when it saves embedding layers) gives what it gives stock: a
+    config of that class with no attention implementation of the patch's, settable as stock's is."""
+    stock, patched = tiny_model(name), tiny_model(name)
+    apply_bpt_patch(patched)
+    rebuilt = {side: type(m.config)(**m.config.to_dict()) for side, m in (("stock", stock), ("patched", patched))}
+    assert rebuilt["patched"]._attn_implementation == rebuilt["stock"]._attn_implementation
+    assert rebuilt["patched"].to_dict() == rebuilt["stock"].to_dict()
+    rebuilt["patched"]._attn_implementation = "eager"
+    assert rebuilt["patched"]._attn_implementation == "eager"
+    assert patched.config._attn_implementation == "bpt"
