@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bpt import attention
+from bpt import attention, engine
 from bpt.attention import blockwise_attention, segment_ids_from_position_ids
 
 TOL = 1e-5  # fp32 error allowed, relative to the largest reference magnitude
@@ -238,10 +238,10 @@ def test_no_grad_inference():
 
 def plan_of(nq, nk, block, causal=True, window=None, padding_mask=None, segment_ids=None):
     """{query block start: [(key block start, needs any mask), ...]} of the blockwise plan."""
-    spec = attention._Spec(scale=1.0, causal=causal, window=window, softcap=None, q_block=block,
-                           kv_block=block, offset=nk - nq, acc_dtype=torch.float32, groups=1,
-                           use_compile=False)
-    plan = attention._make_plan(spec, 1, nq, nk, padding_mask, segment_ids)
+    spec = engine.AttentionSpec(scale=1.0, causal=causal, window=window, softcap=None, q_block=block,
+                                kv_block=block, offset=nk - nq, acc_dtype=torch.float32, groups=1,
+                                use_compile=False)
+    plan = engine.make_plan(spec, 1, nq, nk, padding_mask, segment_ids)
     return {i0: [(blk.j0, blk.causal or blk.window or blk.padding or blk.segments) for blk in blocks]
             for i0, _, blocks in plan}
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from bpt import attention as attn
+from bpt import engine
 from bpt.attention import blockwise_attention
 from patches import apply_bpt_patch
 from test_patches import SMALL_BLOCKS, make_batch
@@ -21,15 +21,15 @@ def _full_keep_mask(q, k, q_block, kv_block, seed) -> torch.Tensor:
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     g = hq // hkv
-    spec = attn._Spec(scale=1.0, causal=True, window=None, softcap=None, q_block=q_block, kv_block=kv_block,
-                      offset=nk - nq, acc_dtype=torch.float64, groups=g, use_compile=False, dropout=P,
-                      dropout_seed=seed)
+    spec = engine.AttentionSpec(scale=1.0, causal=True, window=None, softcap=None, q_block=q_block,
+                                kv_block=kv_block, offset=nk - nq, acc_dtype=torch.float64, groups=g,
+                                use_compile=False, dropout=P, dropout_seed=seed)
     full = torch.ones(b, hkv, g, nq, nk, dtype=torch.float64)
     for i0 in range(0, nq, q_block):
         i1 = min(i0 + q_block, nq)
         for j0 in range(0, nk, kv_block):
             j1 = min(j0 + kv_block, nk)
-            keep = attn._dropout_keep(spec, i0, j0, (b * hkv, g * (i1 - i0), j1 - j0), q.double())
+            keep = engine.dropout_keep_mask(spec, i0, j0, (b * hkv, g * (i1 - i0), j1 - j0), q.double())
             full[:, :, :, i0:i1, j0:j1] = keep.view(b, hkv, g, i1 - i0, j1 - j0)
     return full.view(b, hq, nq, nk)
 

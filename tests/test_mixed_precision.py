@@ -1,9 +1,17 @@
 """Low precision the way users train: bf16 autocast over fp32 weights, and bf16 weights.
 
-The rule (DESIGN.md, precision): patched and stock are each compared with an fp32 reference, and the patched
+The rule (docs/DESIGN.md, precision): patched and stock are each compared with an fp32 reference, and the patched
 error must be no worse than about 1.5x stock's own error, on the loss and on every gradient. Errors of one
 batch are noise-dominated (stock sometimes lands within 1e-7 by luck), so each error is the RMS over several
 batches: the loss's relative error, and per parameter the Frobenius error relative to the reference's norm.
+
+Eight batches settle most ratios, not those of a parameter with a handful of values whose gradient sums over every
+token (a Mamba layer's `A_log`: one value per head): its error does not average within the tensor, and which side's
+kernels round luckier decides the ratio. Measured on bamba, packed, bf16 autocast, `A_log`: 1.37x, 0.76x and 0.98x
+stock's over three disjoint sets of 8 batches (AVX2 kernels), 1.76x over the first 8 with
+`ATEN_CPU_CAPABILITY=default`, and 1.03x / 1.06x over 64 batches on both. So a ratio over the limit after the first
+batches is measured again over `MORE_SEEDS` (a superset) before it counts: a real gap survives that, a lucky draw
+does not, and the suite's time stays that of 8 batches where nothing is close.
 
 What it measures is the numerics of every op, with MoE routing made continuous: a config with top-k expert routing
 runs here with top-k = the number of experts (and, for group-limited routing, topk_group = n_group), see
@@ -15,21 +23,23 @@ itself is checked.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import bpt.attention as attention_module
 from bpt import compile as bpt_compile
 from bpt.attention import blockwise_attention
-from patches import apply_bpt_patch
+from bpt.engine import Workspace
+from patches import apply_bpt_patch, is_patched
 from test_patches import SMALL_BLOCKS, loss_and_grads, make_batch
 from tiny_models import TINY_CONFIGS, tiny_config, tiny_model
 
 WORSE_AT_MOST = 1.5
 SEEDS = range(8)
+MORE_SEEDS = range(64)  # where the first SEEDS put a ratio over the limit (module docstring)
 
 
 AUTOCAST = {"autocast": torch.bfloat16, "fp16_autocast": torch.float16}  # mode -> autocast dtype
@@ -109,19 +119,47 @@ def low_precision_errors(name: str, kind: str, mode: str, checkpointing: str | N
             for key in norms}
 
 
-def assert_no_worse_than_stock(errors: dict):
-    worst = max(errors, key=lambda key: errors[key][0] / errors[key][1])
+def _worst(errors: dict) -> str:
+    return max(errors, key=lambda key: errors[key][0] / errors[key][1] if errors[key][1] else float("inf"))
+
+
+def assert_no_worse_than_stock(errors: dict, batches: int | None = None):
+    worst = _worst(errors)
     patched, stock = errors[worst]
     assert stock > 0, f"{worst}: stock equals the fp32 reference exactly: the low precision did not apply"
+    over = f" over {batches} batches" if batches else ""
     assert patched <= WORSE_AT_MOST * stock, \
-        f"{worst}: patched error {patched:.3e} is {patched / stock:.2f}x stock's {stock:.3e}"
+        f"{worst}: patched error {patched:.3e} is {patched / stock:.2f}x stock's {stock:.3e}{over}"
+
+
+def assert_low_precision_no_worse(name: str, kind: str, mode: str, seeds=SEEDS, **options):
+    """The rule over `seeds` batches; a ratio over the limit is measured again over MORE_SEEDS before it counts."""
+    errors = low_precision_errors(name, kind, mode, seeds=seeds, **options)
+    patched, stock = errors[_worst(errors)]
+    if stock > 0 and patched > WORSE_AT_MOST * stock and len(MORE_SEEDS) > len(seeds):
+        errors, seeds = low_precision_errors(name, kind, mode, seeds=MORE_SEEDS, **options), MORE_SEEDS
+    assert_no_worse_than_stock(errors, batches=len(seeds))
 
 
 @pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
 @pytest.mark.parametrize("kind", ["right_padded", "packed"])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_low_precision_no_worse_than_stock(name, kind, mode):
-    assert_no_worse_than_stock(low_precision_errors(name, kind, mode))
+    assert_low_precision_no_worse(name, kind, mode)
+
+
+def test_a_real_gap_survives_more_batches(monkeypatch):
+    """The second measurement cannot rescue a real gap: with every patched gradient 5% off (every batch), the first
+    batches fail, the verdict is taken again over MORE_SEEDS, and it still fails."""
+    exact = loss_and_grads
+
+    def skewed(model, inputs):
+        loss, grads = exact(model, inputs)
+        return loss, {name: grad * 1.05 for name, grad in grads.items()} if is_patched(model) else grads
+
+    monkeypatch.setattr(sys.modules[__name__], "loss_and_grads", skewed)
+    with pytest.raises(AssertionError, match=f"over {len(MORE_SEEDS)} batches"):
+        assert_low_precision_no_worse("llama", "right_padded", "autocast", seeds=range(2))
 
 
 def test_mpt_attention_under_autocast_no_worse_than_stock():
@@ -157,13 +195,13 @@ def test_mpt_attention_under_autocast_no_worse_than_stock():
 def test_fp16_autocast_no_worse_than_stock(name):
     """fp16 errors are ~4x smaller than bf16's, so a scalar loss needs more batches to rise above the noise:
     16 (with 8, gemma2's loss ratio measured 1.55; with 16, 0.89)."""
-    assert_no_worse_than_stock(low_precision_errors(name, "right_padded", "fp16_autocast", seeds=range(16)))
+    assert_low_precision_no_worse(name, "right_padded", "fp16_autocast", seeds=range(16))
 
 
 @pytest.mark.parametrize("name,checkpointing", [("llama", "non_reentrant"), ("gemma2", "non_reentrant"),
                                                 ("falcon_alibi", "reentrant"), ("gpt2", "reentrant")])
 def test_low_precision_with_gradient_checkpointing(name, checkpointing):
-    assert_no_worse_than_stock(low_precision_errors(name, "right_padded", "autocast", checkpointing=checkpointing))
+    assert_low_precision_no_worse(name, "right_padded", "autocast", checkpointing=checkpointing)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -209,7 +247,7 @@ def test_kernel_under_autocast_mixed_dtypes(monkeypatch, workspace):
     """Autocast casts q, k, v as it casts SDPA's inputs (no dtype error), the output is bf16 like stock's,
     and the error against fp64 is no worse than stock SDPA's; with the scratch workspace on or off."""
     if not workspace:
-        monkeypatch.setattr(attention_module._Workspace, "get", lambda self, name, shape, like: None)
+        monkeypatch.setattr(Workspace, "get", lambda self, name, shape, like: None)
     q, k, v, padding = _attention_case()
     exact = _with_grads(lambda q, k, v, m: _blockwise(q.double(), k.double(), v.double(), m), q, k, v, padding)
     stock = _with_grads(_stock_sdpa, q, k, v, padding)

@@ -12,19 +12,19 @@ global positions >= seq_len are hidden from every query, and query rows there ou
 unpadded sequence, whatever the pad tokens hold.
 
 Algorithm (one custom autograd Function). Forward: each rank keeps the running max / sum / accumulator of its
-local query rows (fp32, as `bpt.attention`), and its K/V shard (with its key-side padding mask and segment ids)
+local query rows (fp32, as on one device), and its K/V shard (with its key-side padding mask and segment ids)
 travels around the ring by P2P (send to rank + 1, receive from rank - 1); the next shard's transfer is started
 before the current shard is folded in and waited after, so communication overlaps compute. Each incoming
-shard is folded into the same running online softmax, block by block, with `bpt.attention._forward_step`:
+shard is folded into the same running online softmax, block by block, with `bpt.engine.forward_step`:
 partial results merge through their running max / sum exactly as the single-device kernel merges key blocks.
 Backward: the K/V shards travel again, each rank adds the shard's dK / dV contributions
-(`_backward_step`, probabilities recomputed from the saved logsumexp) into an fp32 accumulator that travels
+(`bpt.engine.backward_step`, probabilities recomputed from the saved logsumexp) into an fp32 accumulator that travels
 with the shard, one hop behind it (so its transfer overlaps the next step's compute); after W steps each
 accumulator is back at the rank that owns the K/V. dQ stays local.
 
 Masks are global: causal, sliding window and ALiBi use GLOBAL positions (from the zigzag layout), segment ids
 and padding travel with their keys. (query chunk, key chunk) pairs that causality, the window, the padding or
-the true length hide completely are skipped, and inside a pair `_make_plan` skips blocks as on one device.
+the true length hide completely are skipped, and inside a pair `bpt.engine.make_plan` skips blocks as on one device.
 Attention sinks (sinks [Hq], one logit per query head joining every row's normaliser): each rank starts its query
 rows' running max / sum from the sink (m = sink, l = 1) as on one device, so the merged logsumexp includes it; its
 gradient is each rank's share -sum over its rows of exp(sink - lse) * rowsum(dO * O), summed over the group with
@@ -40,9 +40,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from bpt.attention import (_MAX_INIT, _autocast_inputs, _autocast_off, _finish_rows, _forward_step,
-                           _backward_step, _make_plan, _mask_args, _rows, _scaled_rows, _sink_rows, _Spec, _validate,
-                           _Workspace)
+from bpt.attention import autocast_inputs, validate_inputs
+from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backward_rows, backward_step,
+                        block_mask_args, finish_rows, forward_step, make_plan, scaled_query_rows, sink_rows,
+                        start_rows)
 from bpt.sequence_parallel import traffic
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions"]
@@ -139,9 +140,9 @@ def ring_attention(
     if dropout:
         raise ValueError("ring_attention does not support dropout (yet): pass dropout=0.0 (attention dropout "
                          "is 0 in the models trained at long context)")
-    q, k, v = _autocast_inputs(q, k, v)
-    _validate(q, k, v, scale, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap, q_block,
-              kv_block, compile, sinks=sinks)
+    q, k, v = autocast_inputs(q, k, v)
+    validate_inputs(q, k, v, scale, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap, q_block,
+                    kv_block, compile, sinks=sinks)
     n = q.shape[2]
     if k.shape[2] != n or n == 0 or n % 2:
         raise ValueError(f"ring_attention needs q and k shards of one even length (two zigzag chunks, see "
@@ -157,8 +158,8 @@ def ring_attention(
     ring.seq_len = seq_len
     b, hq = q.shape[:2]
     hkv = k.shape[1]
-    spec = _Spec.of(q, k, scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
-                    q_block=q_block, kv_block=kv_block, compile=compile, offset=0)
+    spec = AttentionSpec.of(q, k, scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
+                            q_block=q_block, kv_block=kv_block, compile=compile, offset=0)
     # key-side mask [B, n] (True = real key): the padding mask and the true length, or None
     key_mask = None if padding_mask is None else padding_mask != 0
     if seq_len < padded:
@@ -237,11 +238,11 @@ def _unpack(shard: list[Tensor], has_mask: bool, has_seg: bool):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _step_plan(spec: _Spec, ring: _Ring, src: int, b: int, key_mask, segment_ids, q_segment_ids):
+def _step_plan(spec: AttentionSpec, ring: _Ring, src: int, b: int, key_mask, segment_ids, q_segment_ids):
     """Pairs of this rank's query chunks x src's key chunks to compute -> [(qc, kc, pair_spec, plan)].
 
     key_mask / segment_ids: src's key-side inputs [B, 2c] (or None); q_segment_ids: this rank's [B, 2c].
-    A pair's spec has offset = first query position - first key position, so `_make_plan` / `_mask_args`
+    A pair's spec has offset = first query position - first key position, so `make_plan` / `block_mask_args`
     see global positions (ALiBi, causal and window rules use only differences of positions).
     """
     c, window = ring.c, spec.window
@@ -258,9 +259,9 @@ def _step_plan(spec: _Spec, ring: _Ring, src: int, b: int, key_mask, segment_ids
                 continue  # every key out of every query's window
             cols = slice(kc * c, kc * c + c)
             pair_spec = dataclasses.replace(spec, offset=p0 - k0)
-            plan = _make_plan(pair_spec, b, c, c, None if key_mask is None else key_mask[:, cols],
-                              None if segment_ids is None else segment_ids[:, cols],
-                              None if q_segment_ids is None else q_segment_ids[:, qc * c:qc * c + c])
+            plan = make_plan(pair_spec, b, c, c, None if key_mask is None else key_mask[:, cols],
+                             None if segment_ids is None else segment_ids[:, cols],
+                             None if q_segment_ids is None else q_segment_ids[:, qc * c:qc * c + c])
             if any(blocks for _, _, blocks in plan):
                 pairs.append((qc, kc, pair_spec, plan))
     return pairs
@@ -277,10 +278,10 @@ def _pair_blocks(pair, ring: _Ring, b: int, key_mask, segment_ids, q_segment_ids
     for i0, i1, blocks in plan:
         for blk in blocks:
             yield (qc, i0, i1, kc * c + blk.j0, blk.j1 - blk.j0,
-                   _mask_args(pair_spec, b, i0, i1, blk, pad, seg, slopes, q_segment_ids=q_seg))
+                   block_mask_args(pair_spec, b, i0, i1, blk, pad, seg, slopes, q_segment_ids=q_seg))
 
 
-def _query_blocks(spec: _Spec, c: int) -> list[tuple[int, int, int]]:
+def _query_blocks(spec: AttentionSpec, c: int) -> list[tuple[int, int, int]]:
     """(query chunk, i0, i1) of every query block; rows of chunk qc sit at qc * c + i0 : qc * c + i1."""
     return [(qc, i0, min(i0 + spec.q_block, c)) for qc in (0, 1) for i0 in range(0, c, spec.q_block)]
 
@@ -299,8 +300,8 @@ def _padding_rows(ring: _Ring, n: int, device) -> Tensor | None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    @_autocast_off
-    def forward(ctx, q, k, v, key_mask, segment_ids, slopes, sinks, spec: _Spec, ring: _Ring):
+    @autocast_off
+    def forward(ctx, q, k, v, key_mask, segment_ids, slopes, sinks, spec: AttentionSpec, ring: _Ring):
         b, hq, n, d = q.shape
         hkv, dv = k.shape[1], v.shape[3]
         bh, g, c, acc_dtype = b * hkv, spec.groups, ring.c, spec.acc_dtype
@@ -309,17 +310,12 @@ class _RingAttention(torch.autograd.Function):
         v3 = v.reshape(bh, n, dv).contiguous()
         has_mask, has_seg = key_mask is not None, segment_ids is not None
         qblocks = _query_blocks(spec, c)
-        sink3 = _sink_rows(sinks, b, hkv, g, acc_dtype)  # [BH, G, 1] or None
+        sinks3 = sink_rows(sinks, b, hkv, g, acc_dtype)  # [BH, G, 1] or None
         state = {}  # (qc, i0) -> (qs [BH, R, D], m [BH, R], l [BH, R], acc [BH, R, Dv])
         for qc, i0, i1 in qblocks:
-            rows = g * (i1 - i0)
-            if sink3 is None:
-                m, l = q.new_full((bh, rows), _MAX_INIT, dtype=acc_dtype), q.new_zeros((bh, rows), dtype=acc_dtype)
-            else:  # the sink is a virtual first key: exp(sink - m) = 1 with m = sink
-                m, l = sink3.expand(bh, g, i1 - i0).reshape(bh, rows).clone(), q.new_ones((bh, rows), dtype=acc_dtype)
-            state[qc, i0] = (_scaled_rows(q3, qc * c + i0, qc * c + i1, spec), m, l,
-                             q.new_zeros((bh, rows, dv), dtype=acc_dtype))
-        work = _Workspace(enabled=not spec.use_compile)
+            state[qc, i0] = (scaled_query_rows(q3, qc * c + i0, qc * c + i1, spec),
+                             *start_rows(q, bh, g, i1 - i0, dv, acc_dtype, sinks3))
+        work = Workspace(enabled=not spec.use_compile)
         shard = _pack(k3, v3, key_mask, segment_ids)
         plans = []
         for step in range(ring.world):
@@ -330,9 +326,9 @@ class _RingAttention(torch.autograd.Function):
             for pair in pairs:
                 for qc, i0, i1, j0, bk, margs in _pair_blocks(pair, ring, b, mask_s, seg_s, segment_ids, slopes):
                     qs, m, l, acc = state[qc, i0]
-                    _forward_step(qs, kb3[:, j0:j0 + bk], vb3[:, j0:j0 + bk], m, l, acc,
-                                  work.get("s", (bh, qs.shape[1], bk), qs), None, *margs,
-                                  use_compile=spec.use_compile)
+                    forward_step(qs, kb3[:, j0:j0 + bk], vb3[:, j0:j0 + bk], m, l, acc,
+                                 work.get("s", (bh, qs.shape[1], bk), qs), None, *margs,
+                                 use_compile=spec.use_compile)
             _wait(works)
             shard = incoming
         out = q.new_empty(b, hq, n, dv)
@@ -340,9 +336,7 @@ class _RingAttention(torch.autograd.Function):
         lse = q.new_empty(bh, g, n, dtype=acc_dtype)  # per-row logsumexp, +inf for empty rows
         for qc, i0, i1 in qblocks:
             _, m, l, acc = state.pop((qc, i0))
-            out_b, lse_b = _finish_rows(m, l, acc)
-            out3[:, :, qc * c + i0:qc * c + i1] = out_b.view(bh, g, i1 - i0, dv)
-            lse[:, :, qc * c + i0:qc * c + i1] = lse_b.view(bh, g, i1 - i0)
+            finish_rows(m, l, acc, out3, lse, qc * c + i0, qc * c + i1)
         pad_rows = _padding_rows(ring, n, q.device)
         if pad_rows is not None:  # rows past the true length: exact zeros, no gradient (like empty rows)
             out3[:, :, pad_rows] = 0
@@ -353,7 +347,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    @_autocast_off
+    @autocast_off
     def backward(ctx, dout):
         q3, k3, v3, out, lse, key_mask, segment_ids, slopes, sinks = ctx.saved_tensors
         spec, ring, plans = ctx.spec, ctx.ring, ctx.plans
@@ -367,19 +361,16 @@ class _RingAttention(torch.autograd.Function):
             do3[:, :, pad_rows] = 0
         o3 = out.view(bh, g, n, dv_dim)
         has_mask, has_seg = key_mask is not None, segment_ids is not None
-        sink3 = _sink_rows(sinks, b, k_shape[1], g, acc_dtype)  # [BH, G, 1] or None
-        dsink = None if sink3 is None else torch.zeros((bh, g), dtype=acc_dtype, device=q3.device)  # [BH, G]
+        sink_grad = None if sinks is None else SinkGrad(sinks, b, k_shape[1], g, acc_dtype)  # this rank's share
         rows_of = {}  # (qc, i0) -> (qs, dO rows, -lse, -delta, dq accumulator)
         for qc, i0, i1 in _query_blocks(spec, c):
             r0, r1 = qc * c + i0, qc * c + i1
-            dob = _rows(do3, r0, r1, acc_dtype)  # [BH, R, Dv]
-            neg_lse, neg_delta = -lse[:, :, r0:r1].reshape(bh, -1), -(dob * _rows(o3, r0, r1, acc_dtype)).sum(-1)
-            rows_of[qc, i0] = (_scaled_rows(q3, r0, r1, spec), dob, neg_lse, neg_delta,  # delta = rowsum(dO * O)
+            dob, neg_lse, neg_delta = backward_rows(do3, o3, lse, r0, r1, acc_dtype)  # [BH, R, Dv], [BH, R] x 2
+            rows_of[qc, i0] = (scaled_query_rows(q3, r0, r1, spec), dob, neg_lse, neg_delta,
                                torch.zeros((bh, g * (i1 - i0), d), dtype=acc_dtype, device=q3.device))
-            if dsink is not None:  # this rank's rows' share: -sum p_sink * delta, p_sink = exp(sink - lse)
-                p_sink = (sink3 + neg_lse.view(bh, g, i1 - i0)).exp_()  # [BH, G, bq]; 0 on pad rows (lse = inf)
-                dsink.add_((p_sink * neg_delta.view(bh, g, i1 - i0)).sum(-1))
-        work = _Workspace(enabled=not spec.use_compile)
+            if sink_grad is not None:  # pad rows add 0: their lse is +inf
+                sink_grad.add_rows(neg_lse, neg_delta)
+        work = Workspace(enabled=not spec.use_compile)
         shard = _pack(k3, v3, key_mask, segment_ids)
         grads = None  # the dK / dV accumulator finished in the previous step, to pass on
         for step in range(ring.world):
@@ -394,9 +385,9 @@ class _RingAttention(torch.autograd.Function):
                 for qc, i0, i1, j0, bk, margs in _pair_blocks(pair, ring, b, mask_s, seg_s, segment_ids, slopes):
                     qs, dob, neg_lse, neg_delta, dqb = rows_of[qc, i0]
                     shape = (bh, qs.shape[1], bk)
-                    _backward_step(qs, kb3[:, j0:j0 + bk], vb3[:, j0:j0 + bk], dob, neg_lse, neg_delta, dqb,
-                                   dk[:, j0:j0 + bk], dv[:, j0:j0 + bk], work.get("s", shape, qs),
-                                   work.get("ds", shape, qs), None, *margs, use_compile=spec.use_compile)
+                    backward_step(qs, kb3[:, j0:j0 + bk], vb3[:, j0:j0 + bk], dob, neg_lse, neg_delta, dqb,
+                                  dk[:, j0:j0 + bk], dv[:, j0:j0 + bk], work.get("s", shape, qs),
+                                  work.get("ds", shape, qs), None, *margs, use_compile=spec.use_compile)
             _wait(works)
             if grads is not None:  # the accumulator of this step's shard, from the previous rank
                 dk.add_(incoming[-2])
@@ -413,6 +404,6 @@ class _RingAttention(torch.autograd.Function):
             dq[:, :, qc * c + i0:qc * c + i1] = rows_of[qc, i0][4].view(bh, g, i1 - i0, d)
         dq.mul_(spec.scale)  # s = (scale * q) . k
         dtype = q3.dtype
-        dsinks = None if dsink is None else dsink.view(b, -1).sum(0).to(sinks.dtype)  # [Hq]
+        dsinks = None if sink_grad is None else sink_grad.total()  # [Hq]
         return (dq.view(q_shape).to(dtype), dk.view(k_shape).to(dtype), dv.view(v_shape).to(dtype),
                 None, None, None, dsinks, None, None)

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from bpt.attention import _autocast_inputs, blockwise_attention
+from bpt.attention import autocast_inputs, blockwise_attention
 from bpt.sequence_parallel import traffic
 
 __all__ = ["ulysses_attention", "sequence_shard", "sequence_unshard", "sequence_positions", "gather_sequence",
@@ -178,7 +178,7 @@ def ulysses_attention(
                          "in the models trained at long context)")
     if "dropout_seed" in attention_kwargs:
         raise ValueError("ulysses_attention does not support dropout (got dropout_seed)")
-    q, k, v = _autocast_inputs(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point 4-D tensor [batch, heads, seq, head_dim], got "
