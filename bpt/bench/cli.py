@@ -31,10 +31,34 @@ from bpt.bench.workers import run_ranks, run_worker, worker_main
 from bpt.config import BPTConfig
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Ends every flag's help with its default: "(default: X)" is appended unless the text says "default:" itself."""
+
+    def _get_help_string(self, action):
+        if "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag, hidden from --help: still sets the flag's value (through `mapping` when given),
+    with a warning naming the new spelling."""
+
+    def __init__(self, option_strings, dest, new_flag: str, mapping: dict | None = None, **kwargs):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.new_flag, self.mapping = new_flag, mapping
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} is deprecated; use {self.new_flag}", file=sys.stderr)
+        setattr(namespace, self.dest, values if self.mapping is None else self.mapping[values])
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The flags; names shared with `python -m train.qlora` (--torch_threads, --bpt_compile, block sizes) mean the
+    same there."""
     defaults = BPTConfig()
     p = argparse.ArgumentParser(prog="python -m bpt.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--model", default="llama-ref", help=f"preset ({', '.join(PRESETS)}) or a config json path")
     p.add_argument("--seq_lens", type=int, nargs="+", default=[4096, 8192, 16384], help="tokens per sequence")
     p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="stock transformers and/or BPT")
@@ -42,32 +66,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=1, help="sequences per step")
     p.add_argument("--gradient_checkpointing", dest="gradient_checkpointing", action="store_true", default=True,
                    help="checkpoint every decoder layer, on both sides")
-    p.add_argument("--no_gradient_checkpointing", dest="gradient_checkpointing", action="store_false")
+    p.add_argument("--no_gradient_checkpointing", dest="gradient_checkpointing", action="store_false",
+                   help="turn --gradient_checkpointing off (default: on)")
     p.add_argument("--steps", type=int, default=3, help="measured steps per run, after 1 warm-up step")
-    p.add_argument("--q_block", type=int, default=defaults.q_block)
-    p.add_argument("--kv_block", type=int, default=defaults.kv_block)
-    p.add_argument("--mlp_chunk", type=int, default=defaults.mlp_chunk)
-    p.add_argument("--loss_chunk", type=int, default=defaults.loss_chunk)
-    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="torch.compile of the patch")
+    for name, what in (("q_block", "query block size of blockwise attention"),
+                       ("kv_block", "key/value block size of blockwise attention"),
+                       ("mlp_chunk", "tokens per chunk of the chunked MLP"),
+                       ("loss_chunk", "tokens per chunk of the chunked LM head + loss")):
+        default = getattr(defaults, name)
+        p.add_argument(f"--{name}", type=int, default=default, help=f"{what} (default: {default}, "
+                       "bpt.config.BPTConfig's)")
+    p.add_argument("--bpt_compile", dest="bpt_compile", action="store_true", default=None,
+                   help="torch.compile the per-block functions of the patch (default: only on CUDA)")
+    p.add_argument("--no_bpt_compile", dest="bpt_compile", action="store_false",
+                   help="turn --bpt_compile off: run them eagerly, also on CUDA (default: compiled only on CUDA)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters only (peft, all linear layers)")
-    p.add_argument("--lora_r", type=int, default=16)
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    p.add_argument("--threads", type=int, default=None, help="torch threads in the workers (default: torch's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (with --lora)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the runs execute (default: cuda when available, else cpu)")
+    p.add_argument("--torch_threads", type=int, default=None,
+                   help="CPU threads per worker process for torch ops (torch.set_num_threads); default: torch's own")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
     p.add_argument("--find_max", action="store_true",
                    help="after the sweep, double the length per side until a run fails or --max_len")
-    p.add_argument("--max_len", type=int, default=None, help="cap of --find_max (required with it)")
+    p.add_argument("--max_len", type=int, default=None,
+                   help="cap of --find_max (required with it; default: none)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per run before it is killed and failed (with --sequence_parallel: per group of N "
-                        "processes, all its lengths and modes)")
+                        "processes, all its lengths and modes); default: no limit")
     p.add_argument("--malloc", choices=("mmap", "default"), default="mmap",
                    help="glibc malloc setting of CPU workers (see worker_env); 'default' only to compare")
     p.add_argument("--output", type=Path, default=None,
-                   help="result JSON (a CSV is written next to it); default bench_results/<model>-<time>.json")
+                   help="result JSON (a CSV is written next to it); default: bench_results/<model>-<time>.json")
     p.add_argument("--sequence_parallel", type=int, nargs="+", default=None, metavar="N",
                    help="sequence-parallel mode: per N, N processes (gloo on CPU, NCCL on CUDA: one GPU per rank) "
-                        "each hold a shard of every sequence; patched side only")
+                        "each hold a shard of every sequence; patched side only (default: off)")
     p.add_argument("--sp_mode", nargs="+", choices=SP_MODES, default=["ring"], help="with --sequence_parallel")
+    p.add_argument("--threads", dest="torch_threads", type=int, action=_DeprecatedAlias, new_flag="--torch_threads")
+    p.add_argument("--compile", dest="bpt_compile", choices=("auto", "on", "off"), action=_DeprecatedAlias,
+                   new_flag="--bpt_compile / --no_bpt_compile", mapping={"auto": None, "on": True, "off": False})
     p.add_argument("--worker", metavar="SPEC_JSON", help=argparse.SUPPRESS)
     return p
 
@@ -82,15 +119,15 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         p.error(f"--seq_lens must be positive token counts, got {bad}")
     args.seq_lens = sorted(set(args.seq_lens))
     args.sides = [s for s in SIDES if s in args.sides]
-    if args.threads is not None and args.threads <= 0:
-        p.error(f"--threads must be positive, got {args.threads}")
+    if args.torch_threads is not None and args.torch_threads <= 0:
+        p.error(f"--torch_threads must be positive, got {args.torch_threads}")
     if args.find_max and args.max_len is None:
         p.error("--find_max needs --max_len (the cap for doubling the length)")
     if args.max_len is not None and args.max_len <= 0:
         p.error(f"--max_len must be positive, got {args.max_len}")
     try:
         args.bpt = BPTConfig(q_block=args.q_block, kv_block=args.kv_block, mlp_chunk=args.mlp_chunk,
-                             loss_chunk=args.loss_chunk, compile={"auto": None, "on": True, "off": False}[args.compile])
+                             loss_chunk=args.loss_chunk, compile=args.bpt_compile)
     except ValueError as error:
         p.error(str(error))
     if args.device is None:
@@ -150,7 +187,7 @@ def run_spec(args: argparse.Namespace, model_config: dict, side: str, seq_len: i
         "task": "train", "side": side, "seq_len": seq_len, "model_config": model_config,
         "batch_size": args.batch_size, "dtype": args.dtype, "device": args.device,
         "gradient_checkpointing": args.gradient_checkpointing, "lora": args.lora, "lora_r": args.lora_r,
-        "bpt": asdict(args.bpt), "steps": args.steps, "seed": args.seed, "threads": args.threads,
+        "bpt": asdict(args.bpt), "steps": args.steps, "seed": args.seed, "threads": args.torch_threads,
         "malloc": args.malloc,
     }
 
@@ -242,7 +279,7 @@ def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = 
     model_config = validate(p, args)
     runner = runner or (lambda spec: run_worker(spec, args.timeout))
 
-    probe = runner({"task": "probe", "device": args.device, "malloc": args.malloc, "threads": args.threads})
+    probe = runner({"task": "probe", "device": args.device, "malloc": args.malloc, "threads": args.torch_threads})
     if probe.get("ok"):
         off = abs(probe["measured_mib"] - probe["expected_mib"]) / probe["expected_mib"]
         print(f"memory probe: a step allocating {probe['expected_mib']:.0f} MiB measured "

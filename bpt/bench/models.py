@@ -23,7 +23,7 @@ PRESETS: dict[str, dict] = {
     # For tests: builds and steps in well under a second.
     "tiny": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=176, vocab_size=1024),
-    # The CPU reference model of the acceptance targets.
+    # The CPU reference model of the design goals (bpt.bench.report.TARGETS).
     "llama-ref": dict(model_type="llama", hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, intermediate_size=1408, vocab_size=32000),
     # Full-size shapes, for GPU runs.
