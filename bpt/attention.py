@@ -32,9 +32,13 @@ Semantics shared by every path:
   sum_j p_j v_j, so the probabilities sum to less than 1. The sink starts each row's running max / sum
   (m = sink, l = 1): no extra pass. Its gradient is d sink_h = -sum over rows (and batch) of
   exp(sink_h - lse) * rowsum(dO * O). Always the blockwise path (SDPA has no sinks).
-- A query row with no visible key outputs exact zeros and gets zero gradients (stock kernels may give
-  NaN or garbage there; models ignore those rows, e.g. left-padded queries). With sinks such a row attends
-  only to its sink: output 0 as well, a finite logsumexp (the sink), and zero q/k/v gradients.
+- A query row with no visible key (a left-padded query) computes what the stock kernel named by `empty_rows`
+  computes (bpt.engine.empty_rows): "zeros" (SDPA's: exact zeros, zero gradients; the default), "uniform"
+  (eager's additive mask: the mean of every value, softmax's gradient at that uniform point reaching q and k) or
+  "uniform_values" (eager with masked_fill: the same output, gradient to v only) or "uniform_fused" (a float
+  mask in a fused kernel: the same output, backward's rounded logsumexp giving every key probability 1). With
+  sinks such a row attends only to its sink: output 0, a finite logsumexp (the sink), and zero q/k/v gradients,
+  as in stock.
 - Precision (the rules stock SDPA follows): under autocast, q/k/v are first cast to the autocast dtype
   (SDPA is on autocast's lower-precision list, so stock attention sees the same inputs). The blockwise
   path then runs with autocast off and computes scores, softmax statistics and accumulators in fp32
@@ -48,8 +52,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backward_rows, backward_step,
-                        block_mask_args, dropout_keep_mask, finish_rows, forward_step, make_plan,
-                        scaled_query_rows, sink_rows, start_rows)
+                        block_mask_args, check_empty_rows, dropout_keep_mask, empty_rows_backward_step,
+                        empty_rows_of, fill_empty_rows, finish_rows, forward_step, make_plan, scaled_query_rows,
+                        sink_rows, start_rows)
 
 __all__ = ["blockwise_attention", "segment_ids_from_position_ids"]
 
@@ -80,6 +85,7 @@ def blockwise_attention(
     q_block: int = 1024,
     kv_block: int = 1024,
     compile: bool | None = None,
+    empty_rows: str = "zeros",
 ) -> Tensor:
     """Attention over q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] -> [B, Hq, Nq, Dv].
 
@@ -91,11 +97,13 @@ def blockwise_attention(
     the blockwise path (memory ~ B * Hq * q_block * kv_block scores per block). compile: torch.compile
     the per-block math (None = only on CUDA, see bpt.compile). dropout: probability of dropping each
     attention probability (pass it only in training); dropout_seed: the seed of the keep-masks (None: drawn
-    from torch's default generator, so torch.manual_seed makes runs repeatable).
+    from torch's default generator, so torch.manual_seed makes runs repeatable). empty_rows: the stock kernel's
+    rule for rows with no visible key, one of bpt.engine.EMPTY_ROWS (module docstring).
     """
     q, k, v = autocast_inputs(q, k, v)
     validate_inputs(q, k, v, scale, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap,
                     q_block, kv_block, compile, key_bias, dropout, sinks)
+    check_empty_rows(empty_rows)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     needs_blockwise = key_bias is not None or sinks is not None  # SDPA takes neither
     if not needs_blockwise and _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window,
@@ -106,7 +114,7 @@ def blockwise_attention(
     return _blockwise(q, k, v, scale=scale, causal=causal, padding_mask=padding_mask,
                       segment_ids=segment_ids, sliding_window=sliding_window, alibi_slopes=alibi_slopes,
                       softcap=softcap, q_block=q_block, kv_block=kv_block, compile=compile, key_bias=key_bias,
-                      dropout=float(dropout), dropout_seed=int(dropout_seed or 0), sinks=sinks)
+                      dropout=float(dropout), dropout_seed=int(dropout_seed or 0), sinks=sinks, empty_rows=empty_rows)
 
 
 def segment_ids_from_position_ids(position_ids: Tensor) -> Tensor:
@@ -278,13 +286,13 @@ def _sdpa(q, k, v, scale, causal, dropout):
 
 def _blockwise(q, k, v, *, scale, causal, padding_mask, segment_ids, sliding_window, alibi_slopes,
                softcap, q_block, kv_block, compile, key_bias=None, dropout=0.0, dropout_seed=0,
-               sinks=None) -> Tensor:
+               sinks=None, empty_rows="zeros") -> Tensor:
     """The blockwise path, always (no fused-kernel dispatch). Inputs already validated."""
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     spec = AttentionSpec.of(q, k, scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
                             q_block=q_block, kv_block=kv_block, compile=compile, offset=nk - nq, dropout=dropout,
-                            dropout_seed=dropout_seed)
+                            dropout_seed=dropout_seed, empty_rows=empty_rows)
     if padding_mask is not None and padding_mask.dtype != torch.bool:
         padding_mask = padding_mask != 0
     if alibi_slopes is not None:
@@ -323,6 +331,8 @@ class _BlockwiseAttention(torch.autograd.Function):
                              *block_mask_args(spec, b, i0, i1, blk, padding_mask, segment_ids, slopes),
                              use_compile=spec.use_compile)
             finish_rows(m, l, acc, out3, lse, i0, i1)
+        if spec.empty_rows != "zeros":
+            fill_empty_rows(out3, lse, v3.sum(1, dtype=acc_dtype), nk, spec.empty_rows)  # sum of v: [BH, Dv]
         ctx.save_for_backward(q3, k3, v3, out, lse, padding_mask, segment_ids, slopes, sinks)
         ctx.spec, ctx.plan, ctx.shapes = spec, plan, (q.shape, k.shape, v.shape)
         return out
@@ -335,7 +345,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         spec, plan = ctx.spec, ctx.plan
         q_shape, k_shape, v_shape = ctx.shapes
         bh, g, nq, d = q3.shape
-        dv_dim = v3.shape[-1]
+        nk, dv_dim = k3.shape[1], v3.shape[-1]
         b = q_shape[0]
         do3 = dout.reshape(bh, g, nq, dv_dim)
         o3 = out.view(bh, g, nq, dv_dim)
@@ -346,7 +356,11 @@ class _BlockwiseAttention(torch.autograd.Function):
         sink_grad = None if sinks is None else SinkGrad(sinks, b, k_shape[1], g, acc_dtype)
         work = Workspace(enabled=not spec.use_compile)
         for i0, i1, blocks in plan:
-            if not blocks:
+            empty = None  # rows with no visible key that stock's rule gives gradients: [BH, R] bool
+            if spec.empty_rows != "zeros":
+                empty = empty_rows_of(lse[:, :, i0:i1]).reshape(bh, -1)
+                empty = empty if bool(empty.any()) else None
+            if not blocks and empty is None:
                 continue  # rows with no visible key: O = 0, so zero gradients (the sink's too)
             qs = scaled_query_rows(q3, i0, i1, spec)  # [BH, R, D]
             dob, neg_lse, neg_delta = backward_rows(do3, o3, lse, i0, i1, acc_dtype)  # [BH, R, Dv], [BH, R] x 2
@@ -361,6 +375,11 @@ class _BlockwiseAttention(torch.autograd.Function):
                               dropout_keep_mask(spec, i0, blk.j0, shape, qs),
                               *block_mask_args(spec, b, i0, i1, blk, padding_mask, segment_ids, slopes),
                               use_compile=spec.use_compile)
+            if empty is not None:  # stock's uniform softmax over every key
+                for j0 in range(0, nk, spec.kv_block):
+                    j1 = min(j0 + spec.kv_block, nk)
+                    empty_rows_backward_step(qs, k3[:, j0:j1], v3[:, j0:j1], dob, neg_delta, empty, nk, dqb,
+                                             dk[:, j0:j1], dv[:, j0:j1], spec.softcap, spec.empty_rows)
             dq[:, :, i0:i1] = dqb.view(bh, g, i1 - i0, d)
         dq.mul_(spec.scale)  # s = (scale * q) . k
         dtype = q3.dtype

@@ -26,7 +26,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from bpt.config import BPTConfig
 from bpt.mlp import chunked_mlp
-from patches.attention import ATTN_IMPLEMENTATION, CONFIG_ATTR, bpt_attention_forward
+from patches.attention import (ATTN_IMPLEMENTATION, CONFIG_ATTR, EMPTY_ROWS_ATTR, bpt_attention_forward,
+                               stock_empty_rows)
 from patches.bound_attention import BINDERS
 from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
 from patches.lm_head import causal_lm_forward
@@ -170,12 +171,14 @@ def _patch_atomically(hf_model, family: Family, handle: BPTPatchHandle):
 def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     config = handle.options
     base = getattr(hf_model, family.base)
+    empty_rows = stock_empty_rows(hf_model.config._attn_implementation)
     patched_attention = 0
     for layer in getattr(base, family.layers):
         # A hybrid row's recurrent layers have no attention module: left stock (Family.attention_of).
         attention = family.attention_of(layer)
         if attention is not None or not family.hybrid:
             handle.set(attention, CONFIG_ATTR, config)
+            handle.set(attention, EMPTY_ROWS_ATTR, empty_rows)
             if family.bound_attention:
                 handle.set(attention, "forward", BINDERS[family.bound_attention](attention))
             patched_attention += 1

@@ -11,6 +11,14 @@ ATTN_IMPLEMENTATION = "bpt"
 CONFIG_ATTR = "bpt_config"  # set on each patched attention module by apply_bpt_patch
 # set (and restored) on each patched attention module by patches.sequence_parallel.sequence_parallel
 SEQUENCE_PARALLEL_ATTR = "bpt_sequence_parallel"
+# set on each patched attention module by apply_bpt_patch: what stock computes for a query row with no visible key
+EMPTY_ROWS_ATTR = "bpt_empty_rows"
+
+
+def stock_empty_rows(attn_implementation: str | None) -> str:
+    """The rule of stock's attention for a row with no visible key (bpt.engine.empty_rows): eager adds the dtype's
+    minimum to hidden scores (softmax of equal values: the mean of v), SDPA and fused kernels output zeros."""
+    return "uniform" if attn_implementation == "eager" else "zeros"
 
 
 def attention_options(module: torch.nn.Module) -> BPTConfig:
@@ -30,13 +38,16 @@ def mask_inputs(attention_mask) -> BlockMaskInputs:
 
 
 def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, scaling=None, softcap=None,
-                  alibi_slopes=None, key_bias=None, sinks=None) -> torch.Tensor:
+                  alibi_slopes=None, key_bias=None, sinks=None, empty_rows=None) -> torch.Tensor:
     """query [B, Hq, Nq, D], key/value [B, Hkv, Nk, D] -> [B, Hq, Nq, D]; key_bias [B, Hq, Nk]; sinks [Hq].
 
     Only the keys the mask says are in use take part: a static cache hands attention all of its
     `max_cache_len` slots, of which the first `mask.kv_length` are filled (see BlockMaskInputs).
+    empty_rows: stock's rule for rows with no visible key (None: the one apply_bpt_patch recorded on the module).
     """
     options = attention_options(module)
+    if empty_rows is None:
+        empty_rows = getattr(module, EMPTY_ROWS_ATTR, "zeros")
     mask = mask_inputs(attention_mask)
     key, value = mask.keys_in_use(key), mask.keys_in_use(value)
     if key_bias is not None:
@@ -48,7 +59,8 @@ def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, sca
         return sequence_parallel.attention(
             module, query, key, value, causal=getattr(module, "is_causal", True), scaling=scaling, softcap=softcap,
             sliding_window=mask.sliding_window, alibi_slopes=alibi_slopes, key_bias=key_bias, sinks=sinks,
-            dropout=dropout, q_block=options.q_block, kv_block=options.kv_block, compile=options.compile)
+            dropout=dropout, q_block=options.q_block, kv_block=options.kv_block, compile=options.compile,
+            empty_rows=empty_rows)
     return blockwise_attention(
         query, key, value,
         scale=scaling,
@@ -64,6 +76,7 @@ def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, sca
         q_block=options.q_block,
         kv_block=options.kv_block,
         compile=options.compile,
+        empty_rows=empty_rows,
     )
 
 

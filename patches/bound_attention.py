@@ -38,11 +38,11 @@ def bloom_forward(module):
         query, key, value = module._reshape(module.query_key_value(hidden_states))  # 3 x [B, H, N, D]
         if layer_past is not None:
             key, value = layer_past.update(key, value, module.layer_idx)
-        # Bloom's scores: beta * alibi + inv_norm_factor * q.k (baddbmm).
+        # Bloom's scores: beta * alibi + inv_norm_factor * q.k (baddbmm), plus an additive mask (eager only).
         key_bias = _key_bias(alibi * module.beta, query)
         dropout = module.attention_dropout.p if module.training else 0.0
         out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout,
-                            scaling=module.inv_norm_factor, key_bias=key_bias)
+                            scaling=module.inv_norm_factor, key_bias=key_bias, empty_rows="uniform")
         output = module.dense(_merge_heads(out))
         return F.dropout(output, p=module.hidden_dropout, training=module.training) + residual, None
 
@@ -63,11 +63,13 @@ def falcon_forward(module):
         if alibi is None:
             out = run_blockwise(module, query, key, value, attention_mask, scaling=module.inv_norm_factor)
         else:
-            # Falcon's scores: (q.k + alibi) / sqrt(d); stock folds alibi / sqrt(d) into the SDPA mask.
+            # Falcon's scores: (q.k + alibi) / sqrt(d); stock folds alibi / sqrt(d) into the SDPA mask (a float mask
+            # of the dtype's minimum: bpt.engine.empty_rows). Stock's eager path adds alibi a second time on top of
+            # that mask: not followed.
             key_bias = _key_bias(alibi / math.sqrt(module.head_dim), query)
             dropout = module.attention_dropout.p if module.training else 0.0
             out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout,
-                                scaling=module.inv_norm_factor, key_bias=key_bias)
+                                scaling=module.inv_norm_factor, key_bias=key_bias, empty_rows="uniform_fused")
         return module.dense(_merge_heads(out)), None
 
     return forward
@@ -104,8 +106,9 @@ def mpt_forward(module):
                              "max_seq_len in the model config (stock MPT cannot run this length either)")
         key_bias = position_bias[:, -1, position_bias.shape[-1] - keys:].expand(batch, -1, -1)
         dropout = module.attn_dropout_p if module.training else 0.0
+        # Stock replaces hidden scores (masked_fill): an empty row is uniform, with no gradient through its scores.
         out = run_blockwise(module, query, key, value, attention_mask, dropout=dropout,
-                            scaling=module.softmax_scale, key_bias=key_bias)
+                            scaling=module.softmax_scale, key_bias=key_bias, empty_rows="uniform_values")
         return module.out_proj(_merge_heads(out)), None
 
     return forward

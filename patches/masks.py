@@ -1,7 +1,7 @@
 """The attention "mask" the patched model passes around: O(N) inputs instead of an N x N tensor.
 
 transformers builds masks through `AttentionMaskInterface` keyed by `config._attn_implementation`.
-Registering `bpt_mask` there (principle 2 of DESIGN.md: a custom attention name with no mask entry
+Registering `bpt_mask` there (principle 2 of docs/DESIGN.md: a custom attention name with no mask entry
 would silently get mask None, i.e. lose causality) makes every family's mask creation return a
 `BlockMaskInputs`, which the blockwise attention turns into per-block masks.
 """

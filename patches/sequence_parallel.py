@@ -97,7 +97,7 @@ class SequenceParallelContext:
     segment_ids: torch.Tensor | None = None
 
     def attention(self, module, query, key, value, *, causal, scaling, softcap, sliding_window, alibi_slopes,
-                  key_bias, sinks, dropout, q_block, kv_block, compile):
+                  key_bias, sinks, dropout, q_block, kv_block, compile, empty_rows="zeros"):
         """q [B, Hq, n, D], k / v [B, Hkv, n, D]: this rank's shard -> its output shard [B, Hq, n, D]."""
         name = type(module).__name__
         if key_bias is not None:  # ALiBi built on this shard's own positions: re-based on the global ones
@@ -107,7 +107,8 @@ class SequenceParallelContext:
                              f"attention dropout ({name}: p={dropout}); set the model's attention dropout to 0")
         common = dict(group=self.group, seq_len=self.seq_len, scale=scaling, causal=causal,
                       padding_mask=self.padding_mask, segment_ids=self.segment_ids, sliding_window=sliding_window,
-                      alibi_slopes=alibi_slopes, softcap=softcap, q_block=q_block, kv_block=kv_block, compile=compile)
+                      alibi_slopes=alibi_slopes, softcap=softcap, q_block=q_block, kv_block=kv_block, compile=compile,
+                      empty_rows=empty_rows)
         if self.mode == "ring":
             return ring_attention(query, key, value, sinks=sinks, **common)
         world = dist.get_world_size(self.group)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bpt import attention, engine
@@ -379,3 +380,62 @@ def test_invalid_inputs(change, match):
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(ValueError, match=match):
         blockwise_attention(q, k, v, **args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows with no visible key: what each stock kernel computes there (bpt.engine.empty_rows)
+# ---------------------------------------------------------------------------------------------------
+
+
+def stock_kernel(q, k, v, visible, mode, softcap=None):
+    """Stock's arithmetic in fp32 with a mask of the dtype's minimum: added to the scores (eager, "uniform"),
+    written over them (masked_fill, "uniform_values"), or given to SDPA as a float mask ("uniform_fused")."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    low = torch.finfo(q.dtype).min
+    if mode == "uniform_fused":
+        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, low)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s + torch.zeros_like(s).masked_fill(~visible, low) if mode == "uniform" else s.masked_fill(~visible, low)
+    return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("mode,softcap", [("uniform", None), ("uniform", 2.0), ("uniform_values", None),
+                                          ("uniform_fused", None)])
+def test_rows_with_no_visible_key_compute_what_stock_computes(mode, softcap):
+    """Left padding: the first queries of row 1 see no key. Output and every gradient equal stock's fp32 kernel
+    (blocks small enough that those rows span several query blocks and every key block)."""
+    q, k, v = make_qkv(b=2, hq=4, hkv=2, nq=45)
+    mask = lengths_mask([45, 30], 45, left=True)
+    visible, _ = reference_visibility(2, 45, 45, True, None, mask, None)
+    out = blockwise_attention(q, k, v, padding_mask=mask, softcap=softcap, q_block=8, kv_block=16, empty_rows=mode)
+    q32, k32, v32 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    want = stock_kernel(q32, k32, v32, visible, mode, softcap)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got_grads = torch.autograd.grad(out, (q, k, v), grad)
+    want_grads = torch.autograd.grad(want, (q32, k32, v32), grad)
+    empty = ~visible.any(-1).expand(2, 4, 45)
+    assert empty[1, :, :15].all() and not empty[1, :, 15:].any()
+    assert not torch.equal(want[empty], torch.zeros_like(want[empty]))  # stock does not zero them
+    assert_close(out, want, what=f"{mode} output")
+    for name, got, expected in zip("qkv", got_grads, want_grads):
+        assert_close(got, expected, what=f"{mode} d{name}")
+
+
+def test_rows_with_no_visible_key_default_to_sdpa_zeros():
+    """The default ("zeros") is SDPA's: a boolean mask hiding every key gives exact zeros, as torch's kernel."""
+    q, k, v = make_qkv(b=2, hq=4, hkv=2, nq=45)
+    mask = lengths_mask([45, 30], 45, left=True)
+    visible, _ = reference_visibility(2, 45, 45, True, None, mask, None)
+    out = blockwise_attention(q, k, v, padding_mask=mask, q_block=8, kv_block=16)
+    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=visible)
+    assert_close(out, sdpa, what="output")
+    assert torch.equal(out[1, :, :15], torch.zeros_like(out[1, :, :15]))
+
+
+def test_unknown_empty_rows_rule_says_the_choices():
+    with pytest.raises(ValueError, match="empty_rows must be one of"):
+        blockwise_attention(*make_qkv(nq=8), empty_rows="mean")

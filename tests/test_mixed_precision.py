@@ -142,7 +142,7 @@ def assert_low_precision_no_worse(name: str, kind: str, mode: str, seeds=SEEDS, 
 
 
 @pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
-@pytest.mark.parametrize("kind", ["right_padded", "packed"])
+@pytest.mark.parametrize("kind", ["right_padded", "left_padded", "packed"])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_low_precision_no_worse_than_stock(name, kind, mode):
     assert_low_precision_no_worse(name, kind, mode)

@@ -23,9 +23,12 @@ def make_batch(kind: str, batch: int = 2, length: int = LENGTH, seed: int = 0) -
     labels[:, :5] = -100
     # use_cache=False as in training (our CLI, TRL): with a cache, transformers skips its packed-document detection.
     inputs = {"input_ids": input_ids, "labels": labels, "use_cache": False}
-    if kind == "right_padded":
+    if kind in ("right_padded", "left_padded"):
         mask = torch.ones(batch, length, dtype=torch.long)
-        mask[0, -9:] = 0
+        if kind == "right_padded":
+            mask[0, -9:] = 0
+        else:  # the padded queries see no key; the last of them predicts the first real token (stock counts it)
+            mask[0, :9] = 0
         labels[mask == 0] = -100
         inputs["attention_mask"] = mask
     elif kind == "packed":  # three documents in each row: positions restart
@@ -55,7 +58,7 @@ def test_every_family_has_a_test_config():
     assert tested == set(FAMILIES)
 
 
-@pytest.mark.parametrize("kind", ["plain", "right_padded", "packed"])
+@pytest.mark.parametrize("kind", ["plain", "right_padded", "left_padded", "packed"])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_patched_matches_stock(name, kind):
     stock = tiny_model(name)

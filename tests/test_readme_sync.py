@@ -1,4 +1,4 @@
-"""The README's family list is the registry's (DESIGN.md principle 6: every table has a sync test)."""
+"""The README's family list is the registry's (docs/DESIGN.md principle 6: every table has a sync test)."""
 import re
 from pathlib import Path
 

@@ -44,6 +44,12 @@ CASES = {
     "sinks": (45, 4, 2, {"sinks": "sinks"}, 4, 5),
     "sinks_everything": (45, 4, 2, {"padding_mask": "padding", "segment_ids": "segments", "sliding_window": 9,
                                     "alibi_slopes": "alibi", "softcap": 3.0, "sinks": "sinks"}, 3, 5),
+    # Rows with no visible key (the left-padded start of row 0) as stock's eager kernels compute them.
+    "empty_rows_uniform": (45, 4, 2, {"padding_mask": "padding", "softcap": 3.0, "empty_rows": "uniform"}, 4, 3),
+    "empty_rows_uniform_values": (37, 4, 1, {"padding_mask": "padding", "alibi_slopes": "alibi",
+                                             "empty_rows": "uniform_values"}, 1024, 1024),
+    "empty_rows_uniform_fused": (45, 4, 4, {"padding_mask": "padding", "segment_ids": "segments",
+                                            "empty_rows": "uniform_fused"}, 3, 5),
 }
 WRONG_LAYOUT = "causal_gqa_small_blocks"  # also run with a contiguous (not zigzag) split: must fail
 SUBGROUP_CASE = "everything_gqa"  # also run on process subgroups (world 4 = two rings of 2)

@@ -40,6 +40,8 @@ CASES = {
     "gqa_irregular": (45, 12, 3, {"padding_mask": "padding"}, 4, 4),  # a rank's q heads use kv heads 0, 1, 1
     "everything_mqa": (45, 4, 1, {"padding_mask": "padding", "segment_ids": "segments", "sliding_window": 9,
                                   "alibi_slopes": "alibi", "softcap": 3.0, "sinks": "sinks"}, 3, 5),
+    # Rows with no visible key (the left-padded start of row 0) as stock's eager kernel computes them.
+    "empty_rows_uniform": (45, 4, 2, {"padding_mask": "padding", "softcap": 3.0, "empty_rows": "uniform"}, 4, 3),
 }
 WRONG_LAYOUT = "causal_uneven_small_blocks"  # also run with the shards in reversed rank order: must fail
 SUBGROUP_CASE = "everything_mqa"  # also run on process subgroups (world 4 = two groups of 2)

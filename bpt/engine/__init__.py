@@ -20,11 +20,16 @@ dtype (fp32, fp64 for fp64 inputs). Masking and scoring rules: see `bpt.attentio
 - `plan`: AttentionSpec, KVBlock, make_plan, block_mask_args, dropout_keep_mask
 - `rows`: scaled_query_rows, sink_rows, start_rows, finish_rows, backward_rows, SinkGrad
 - `steps`: forward_step, backward_step, Workspace, autocast_off
+- `empty_rows`: what stock computes for rows with no visible key (zeros, or eager's uniform softmax):
+  EMPTY_ROWS, check_empty_rows, empty_rows_of, fill_empty_rows, empty_rows_backward_step
 """
+from bpt.engine.empty_rows import (EMPTY_ROWS, check_empty_rows, empty_rows_backward_step, empty_rows_of,
+                                   fill_empty_rows)
 from bpt.engine.plan import AttentionSpec, KVBlock, block_mask_args, dropout_keep_mask, make_plan
 from bpt.engine.rows import SinkGrad, backward_rows, finish_rows, scaled_query_rows, sink_rows, start_rows
 from bpt.engine.steps import Workspace, autocast_off, backward_step, forward_step
 
 __all__ = ["AttentionSpec", "KVBlock", "make_plan", "block_mask_args", "dropout_keep_mask", "scaled_query_rows",
            "sink_rows", "start_rows", "finish_rows", "backward_rows", "SinkGrad", "forward_step",
-           "backward_step", "Workspace", "autocast_off"]
+           "backward_step", "Workspace", "autocast_off", "EMPTY_ROWS", "check_empty_rows", "empty_rows_of",
+           "fill_empty_rows", "empty_rows_backward_step"]

@@ -30,15 +30,17 @@ class AttentionSpec:
     use_compile: bool
     dropout: float = 0.0
     dropout_seed: int = 0
+    empty_rows: str = "zeros"  # rows with no visible key: stock's rule (bpt.engine.empty_rows)
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor, *, scale, causal, sliding_window, softcap, q_block, kv_block, compile,
-           offset: int, **dropout) -> "AttentionSpec":
-        """The spec of a call on q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (validated inputs); scale None = 1 / sqrt(D)."""
+           offset: int, **options) -> "AttentionSpec":
+        """The spec of a call on q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (validated inputs); scale None = 1 / sqrt(D);
+        options: dropout, dropout_seed, empty_rows."""
         return cls(scale=float(q.shape[-1] ** -0.5 if scale is None else scale), causal=bool(causal),
                    window=sliding_window, softcap=None if softcap is None else float(softcap), q_block=q_block,
                    kv_block=kv_block, offset=offset, acc_dtype=torch.promote_types(q.dtype, torch.float32),
-                   groups=q.shape[1] // k.shape[1], use_compile=should_compile(compile, q), **dropout)
+                   groups=q.shape[1] // k.shape[1], use_compile=should_compile(compile, q), **options)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ Attention sinks (sinks [Hq], one logit per query head joining every row's normal
 rows' running max / sum from the sink (m = sink, l = 1) as on one device, so the merged logsumexp includes it; its
 gradient is each rank's share -sum over its rows of exp(sink - lse) * rowsum(dO * O), summed over the group with
 the other replicated parameters' gradients (patches.sequence_parallel.reduce_gradients).
+Rows with no visible key follow `empty_rows` as on one device (bpt.engine.empty_rows), over the seq_len real keys:
+forward sums v over every shard as it passes, backward adds their contributions shard by shard.
 Not supported (raise ValueError): key_bias (a per-key bias must be built for the global sequence), dropout.
 """
 from __future__ import annotations
@@ -42,8 +44,8 @@ from torch.autograd.function import once_differentiable
 
 from bpt.attention import autocast_inputs, validate_inputs
 from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backward_rows, backward_step,
-                        block_mask_args, finish_rows, forward_step, make_plan, scaled_query_rows, sink_rows,
-                        start_rows)
+                        block_mask_args, check_empty_rows, empty_rows_backward_step, empty_rows_of, fill_empty_rows,
+                        finish_rows, forward_step, make_plan, scaled_query_rows, sink_rows, start_rows)
 from bpt.sequence_parallel import traffic
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions"]
@@ -124,6 +126,7 @@ def ring_attention(
     q_block: int = 1024,
     kv_block: int = 1024,
     compile: bool | None = None,
+    empty_rows: str = "zeros",
 ) -> Tensor:
     """Self-attention over a sequence sharded across `group` (zigzag layout, see the module docstring).
 
@@ -143,6 +146,7 @@ def ring_attention(
     q, k, v = autocast_inputs(q, k, v)
     validate_inputs(q, k, v, scale, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap, q_block,
                     kv_block, compile, sinks=sinks)
+    check_empty_rows(empty_rows)
     n = q.shape[2]
     if k.shape[2] != n or n == 0 or n % 2:
         raise ValueError(f"ring_attention needs q and k shards of one even length (two zigzag chunks, see "
@@ -159,7 +163,7 @@ def ring_attention(
     b, hq = q.shape[:2]
     hkv = k.shape[1]
     spec = AttentionSpec.of(q, k, scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
-                            q_block=q_block, kv_block=kv_block, compile=compile, offset=0)
+                            q_block=q_block, kv_block=kv_block, compile=compile, offset=0, empty_rows=empty_rows)
     # key-side mask [B, n] (True = real key): the padding mask and the true length, or None
     key_mask = None if padding_mask is None else padding_mask != 0
     if seq_len < padded:
@@ -195,6 +199,15 @@ class _Ring:
         """Global positions of the first token of rank's two chunks."""
         a, b = _chunk_ids(rank, self.world)
         return a * self.c, b * self.c
+
+    def real_keys(self, rank: int) -> list[tuple[int, int]]:
+        """(start, stop) in rank's shard of the keys before the true length: a prefix of each chunk."""
+        spans = []
+        for kc, k0 in enumerate(self.chunk_starts(rank)):
+            real = min(self.c, max(0, self.seq_len - k0))
+            if real:
+                spans.append((kc * self.c, kc * self.c + real))
+        return spans
 
     def exchange(self, tensors: list[Tensor]) -> tuple[list[Tensor], list]:
         """Start sending tensors to the next rank and receiving their like from the previous one.
@@ -293,6 +306,18 @@ def _padding_rows(ring: _Ring, n: int, device) -> Tensor | None:
     return zigzag_positions(n, ring.rank, ring.world, device) >= ring.seq_len
 
 
+def _empty_rows_backward(spec: AttentionSpec, ring: _Ring, rows_of: dict, src: int, kb3, vb3, dk, dv) -> None:
+    """The contributions of src's real keys to this rank's rows with no visible key (bpt.engine.empty_rows)."""
+    for qs, dob, _, neg_delta, dqb, empty in rows_of.values():
+        if empty is None:
+            continue
+        for start, stop in ring.real_keys(src):
+            for j0 in range(start, stop, spec.kv_block):
+                j1 = min(j0 + spec.kv_block, stop)
+                empty_rows_backward_step(qs, kb3[:, j0:j1], vb3[:, j0:j1], dob, neg_delta, empty, ring.seq_len, dqb,
+                                         dk[:, j0:j1], dv[:, j0:j1], spec.softcap, spec.empty_rows)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Autograd Function
 # ----------------------------------------------------------------------------------------------------
@@ -318,10 +343,15 @@ class _RingAttention(torch.autograd.Function):
         work = Workspace(enabled=not spec.use_compile)
         shard = _pack(k3, v3, key_mask, segment_ids)
         plans = []
+        value_sum = q.new_zeros(bh, dv, dtype=acc_dtype)  # sum of v over the real keys, for rows with none visible
         for step in range(ring.world):
             incoming, works = ring.exchange(shard) if step + 1 < ring.world else (None, [])  # overlaps compute
             kb3, vb3, mask_s, seg_s = _unpack(shard, has_mask, has_seg)
-            pairs = _step_plan(spec, ring, (ring.rank - step) % ring.world, b, mask_s, seg_s, segment_ids)
+            src = (ring.rank - step) % ring.world
+            if spec.empty_rows != "zeros":
+                for j0, j1 in ring.real_keys(src):
+                    value_sum.add_(vb3[:, j0:j1].sum(1, dtype=acc_dtype))
+            pairs = _step_plan(spec, ring, src, b, mask_s, seg_s, segment_ids)
             plans.append(pairs)
             for pair in pairs:
                 for qc, i0, i1, j0, bk, margs in _pair_blocks(pair, ring, b, mask_s, seg_s, segment_ids, slopes):
@@ -337,6 +367,7 @@ class _RingAttention(torch.autograd.Function):
         for qc, i0, i1 in qblocks:
             _, m, l, acc = state.pop((qc, i0))
             finish_rows(m, l, acc, out3, lse, qc * c + i0, qc * c + i1)
+        fill_empty_rows(out3, lse, value_sum, ring.seq_len, spec.empty_rows)
         pad_rows = _padding_rows(ring, n, q.device)
         if pad_rows is not None:  # rows past the true length: exact zeros, no gradient (like empty rows)
             out3[:, :, pad_rows] = 0
@@ -366,8 +397,12 @@ class _RingAttention(torch.autograd.Function):
         for qc, i0, i1 in _query_blocks(spec, c):
             r0, r1 = qc * c + i0, qc * c + i1
             dob, neg_lse, neg_delta = backward_rows(do3, o3, lse, r0, r1, acc_dtype)  # [BH, R, Dv], [BH, R] x 2
+            empty = None  # rows with no visible key that stock's rule gives gradients (pad rows' dO is 0)
+            if spec.empty_rows != "zeros":
+                empty = empty_rows_of(lse[:, :, r0:r1]).reshape(bh, -1)
+                empty = empty if bool(empty.any()) else None
             rows_of[qc, i0] = (scaled_query_rows(q3, r0, r1, spec), dob, neg_lse, neg_delta,
-                               torch.zeros((bh, g * (i1 - i0), d), dtype=acc_dtype, device=q3.device))
+                               torch.zeros((bh, g * (i1 - i0), d), dtype=acc_dtype, device=q3.device), empty)
             if sink_grad is not None:  # pad rows add 0: their lse is +inf
                 sink_grad.add_rows(neg_lse, neg_delta)
         work = Workspace(enabled=not spec.use_compile)
@@ -383,11 +418,12 @@ class _RingAttention(torch.autograd.Function):
             dv = torch.zeros(v3.shape, dtype=acc_dtype, device=v3.device)  # [BH, n, Dv]
             for pair in plans[step]:
                 for qc, i0, i1, j0, bk, margs in _pair_blocks(pair, ring, b, mask_s, seg_s, segment_ids, slopes):
-                    qs, dob, neg_lse, neg_delta, dqb = rows_of[qc, i0]
+                    qs, dob, neg_lse, neg_delta, dqb, _ = rows_of[qc, i0]
                     shape = (bh, qs.shape[1], bk)
                     backward_step(qs, kb3[:, j0:j0 + bk], vb3[:, j0:j0 + bk], dob, neg_lse, neg_delta, dqb,
                                   dk[:, j0:j0 + bk], dv[:, j0:j0 + bk], work.get("s", shape, qs),
                                   work.get("ds", shape, qs), None, *margs, use_compile=spec.use_compile)
+            _empty_rows_backward(spec, ring, rows_of, (ring.rank - step) % ring.world, kb3, vb3, dk, dv)
             _wait(works)
             if grads is not None:  # the accumulator of this step's shard, from the previous rank
                 dk.add_(incoming[-2])
