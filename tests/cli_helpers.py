@@ -60,3 +60,12 @@ def metrics(out) -> list[dict]:
 
 def losses(out) -> list[float]:
     return [m["loss"] for m in metrics(out)]
+
+
+def error_line(capsys) -> str:
+    """The one `error:` line a CLI printed for bad input (no traceback, nothing after it)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err
+    return lines[0]

@@ -25,6 +25,14 @@ def stock_eager(name, stock):
     return eager
 
 
+def stock_eager_patched(name):
+    """(stock in eval mode, the same weights on stock eager attention, a patched copy)."""
+    stock = tiny_model(name).eval()
+    eager, patched = stock_eager(name, stock), copy.deepcopy(stock)
+    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    return stock, eager, patched
+
+
 def inputs():
     batch = make_batch("plain", batch=2, length=24)
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
@@ -47,9 +55,7 @@ def test_from_pretrained_with_loading_info_returns_it_unchanged(tmp_path, name, 
 
 @pytest.mark.parametrize("name", ["llama", "bloom"])
 def test_output_attentions_gives_stock_eager_weights_with_one_warning(name):
-    stock = tiny_model(name).eval()
-    eager, patched = stock_eager(name, stock), copy.deepcopy(stock)
-    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    stock, eager, patched = stock_eager_patched(name)
     batch = inputs()
     with torch.no_grad():
         expected = eager(**batch, output_attentions=True)
@@ -69,9 +75,7 @@ def test_output_attentions_gives_stock_eager_weights_with_one_warning(name):
 
 @pytest.mark.parametrize("name", ["llama", "bloom"])
 def test_generate_with_output_attentions_matches_stock_eager(name):
-    stock = tiny_model(name).eval()
-    eager, patched = stock_eager(name, stock), copy.deepcopy(stock)
-    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    stock, eager, patched = stock_eager_patched(name)
     batch = inputs()
     kwargs = dict(attention_mask=batch["attention_mask"], max_new_tokens=4, do_sample=False, pad_token_id=0,
                   output_attentions=True, return_dict_in_generate=True)
@@ -86,9 +90,7 @@ def test_generate_with_output_attentions_matches_stock_eager(name):
 
 @pytest.mark.parametrize("name", ["llama", "bloom"])
 def test_assisted_generation_with_output_attentions_matches_stock_eager(name):
-    stock = tiny_model(name).eval()
-    eager, patched = stock_eager(name, stock), copy.deepcopy(stock)
-    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    stock, eager, patched = stock_eager_patched(name)
     assistant = tiny_model(name, seed=1).eval()
     prompt = make_batch("plain", batch=1, length=20)["input_ids"]
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_attentions=True,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helpers import ENV, REPO, base_argv, losses, metrics
+from cli_helpers import ENV, REPO, base_argv, error_line, losses, metrics
 from train.args import parse_args
 from train import loop
 from train.qlora import main, run
@@ -182,14 +182,6 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(tiny, tmp
 
 # ---------------------------------------------------------------- bad input: exit 2, one line, a hint
 
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err
-    return lines[0]
-
-
 def _bad_cases(tiny, tmp: Path) -> dict:
     model, data = str(tiny / "model"), str(tiny / "data.jsonl")
     (tmp / "no_config").mkdir()
@@ -273,6 +265,6 @@ def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, monkeypatch, case)
     monkeypatch.setattr("train.model.build_model", no_weights)  # every mistake here is found before heavy work
     argv, hints = _bad_cases(tiny, tmp_path)[case]
     assert main(argv) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     for hint in [hints] if isinstance(hints, str) else hints:
         assert hint in line

@@ -10,18 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cli_helpers import REPO, base_argv, metrics
+from cli_helpers import REPO, base_argv, error_line, metrics
 from train.qlora import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err
-    return lines[0]
 
 
 # ---------------------------------------------------------------- extending a run
@@ -45,12 +37,12 @@ def test_a_finished_run_is_extended_with_its_schedule_rebuilt_for_the_new_length
 
     # Nothing left to train: one line saying how to extend it.
     assert main(base_argv(tiny, out, "--max_steps", 6, "--resume_from_checkpoint", "latest")) == 2
-    assert _error_line(capsys).endswith("is at step 6, and this run has 6 steps: raise --max_steps above 6 to train on")
+    assert error_line(capsys).endswith("is at step 6, and this run has 6 steps: raise --max_steps above 6 to train on")
 
 
 def test_resume_latest_without_checkpoints_mentions_save_steps(tiny, tmp_path, capsys):
     assert main(base_argv(tiny, tmp_path / "none", "--resume_from_checkpoint", "latest")) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert "no checkpoint-N directory" in line and "--save_steps" in line
 
 
@@ -81,13 +73,13 @@ def test_a_corrupt_weights_file_is_one_line_naming_it(tiny, tmp_path, capsys, no
     argv = base_argv(tiny, tmp_path / "run")
     argv[argv.index("--model_name_or_path") + 1] = str(model)
     assert main(argv) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert line.startswith(f"error: model file {weights} is unreadable (") and "copy or download it again" in line
 
     from train.eval import main as eval_main
 
     assert eval_main(["--model_name_or_path", str(model), "--lengths", "120"]) == 2
-    assert _error_line(capsys) == line
+    assert error_line(capsys) == line
 
 
 def test_a_model_directory_without_a_tokenizer_says_what_to_do(tiny, tmp_path, capsys, no_data_work):
@@ -95,7 +87,7 @@ def test_a_model_directory_without_a_tokenizer_says_what_to_do(tiny, tmp_path, c
     argv = base_argv(tiny, tmp_path / "run")
     argv[argv.index("--model_name_or_path") + 1] = str(model)
     assert main(argv) == 2
-    line = _error_line(capsys)
+    line = error_line(capsys)
     assert line.startswith(f"error: model directory {model} has no tokenizer (none of tokenizer.json, ")
     assert line.endswith(f'save the base model\'s tokenizer there with tokenizer.save_pretrained("{model}")')
 
