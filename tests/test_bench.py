@@ -1,6 +1,6 @@
 """The benchmark harness: end to end on the tiny preset, its memory measurement, its summaries and errors.
 
-Memory and speed themselves are never asserted here (DESIGN principle 8); only that the harness
+Memory and speed themselves are never asserted here (docs/DESIGN.md principle 7); only that the harness
 measures and reports them.
 """
 from __future__ import annotations

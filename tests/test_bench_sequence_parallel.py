@@ -1,7 +1,7 @@
 """The benchmark's sequence-parallel mode: end to end on the tiny preset (real gloo groups of 1 and 2 processes,
 ring and Ulysses), its traffic counter against the algorithm's formula, its launcher's failures and its errors.
 
-Memory and speed are never asserted (DESIGN principle 8); bytes sent are: they are counted, not timed.
+Memory and speed are never asserted (docs/DESIGN.md principle 7); bytes sent are: they are counted, not timed.
 """
 from __future__ import annotations
 
