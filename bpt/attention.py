@@ -53,8 +53,8 @@ from torch.autograd.function import once_differentiable
 
 from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backward_rows, backward_step,
                         block_mask_args, check_empty_rows, dropout_keep_mask, empty_rows_backward_step,
-                        empty_rows_of, fill_empty_rows, finish_rows, forward_step, make_plan, scaled_query_rows,
-                        sink_rows, start_rows)
+                        empty_rows_of, fill_empty_rows, finish_rows, forward_step, host_reads_allowed, make_plan,
+                        scaled_query_rows, sink_rows, start_rows)
 
 __all__ = ["blockwise_attention", "segment_ids_from_position_ids"]
 
@@ -359,7 +359,8 @@ class _BlockwiseAttention(torch.autograd.Function):
             empty = None  # rows with no visible key that stock's rule gives gradients: [BH, R] bool
             if spec.empty_rows != "zeros":
                 empty = empty_rows_of(lse[:, :, i0:i1]).reshape(bh, -1)
-                empty = empty if bool(empty.any()) else None
+                # skipped only where the data may be read; traced, an all-False mask adds exact zeros
+                empty = empty if not host_reads_allowed() or bool(empty.any()) else None
             if not blocks and empty is None:
                 continue  # rows with no visible key: O = 0, so zero gradients (the sink's too)
             qs = scaled_query_rows(q3, i0, i1, spec)  # [BH, R, D]

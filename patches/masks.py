@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bpt.engine import host_reads_allowed
+
 
 @dataclass
 class BlockMaskInputs:
@@ -98,10 +100,10 @@ def bpt_mask(
         if attention_mask.shape[-1] < end:  # as transformers' prepare_padding_mask: missing = padding
             attention_mask = torch.nn.functional.pad(attention_mask, (0, end - attention_mask.shape[-1]))
         padding_mask = attention_mask[:, kv_offset:end].to(torch.bool)
-        if bool(padding_mask.all()):
+        if host_reads_allowed() and bool(padding_mask.all()):  # traced, an all-True mask stays (hides nothing)
             padding_mask = None
     segment_ids = None
-    if _is_chunked(mask_function):
+    if _is_chunked(mask_function, local_size, config):
         # transformers passes the chunk size as `local_size`, as it does a sliding window: it is not a window.
         # Chunks are contiguous runs of keys (by index less left padding, or by position id within a packed
         # document), so they are segments, read off the mask function like packed documents.
@@ -119,9 +121,28 @@ def bpt_mask(
     return BlockMaskInputs(padding_mask, segment_ids, local_size, q_length, kv_used)
 
 
-def _is_chunked(mask_function, depth: int = 8) -> bool:
+def _is_chunked(mask_function, local_size, config) -> bool:
+    """Whether the mask is chunked attention's (create_chunked_causal_mask): its function contains `chunked_overlay`.
+
+    torch.compile cannot trace the look into the function's closures, so while it traces the config decides: a
+    mask whose local_size is the config's attention_chunk_size is chunked (the case bpt_mask refuses, eagerly,
+    when the function holds no chunked_overlay), unless the sliding window has that size too (ambiguous: refused).
+    """
+    if host_reads_allowed():
+        return _has_chunked_overlay(mask_function)
+    chunk_size = getattr(config, "attention_chunk_size", None)
+    if local_size is None or chunk_size != local_size:
+        return False
+    if getattr(config, "sliding_window", None) == local_size:
+        raise NotImplementedError(
+            f"under torch.compile a mask with local_size={local_size} = attention_chunk_size = sliding_window cannot "
+            "be told to be chunked or windowed; run this model without torch.compile, or without apply_bpt_patch")
+    return True
+
+
+def _has_chunked_overlay(mask_function, depth: int = 8) -> bool:
     """Whether transformers' mask function (and_masks / or_masks / packing wrappers of closures) contains
-    `chunked_overlay`, the same-chunk condition of chunked attention (create_chunked_causal_mask)."""
+    `chunked_overlay`, the same-chunk condition of chunked attention."""
     if mask_function is None or depth < 0:
         return False
     if getattr(mask_function, "__qualname__", "").startswith("chunked_overlay."):
@@ -132,7 +153,7 @@ def _is_chunked(mask_function, depth: int = 8) -> bool:
         except ValueError:  # empty cell
             continue
         values = value if isinstance(value, (tuple, list)) else (value,)
-        if any(callable(v) and _is_chunked(v, depth - 1) for v in values):
+        if any(callable(v) and _has_chunked_overlay(v, depth - 1) for v in values):
             return True
     return False
 
@@ -153,7 +174,7 @@ def _segments_from_mask_function(mask_function, batch_size, length, device, offs
     head = torch.zeros((), dtype=torch.long, device=device)
     sees_previous = torch.as_tensor(mask_function(batch, head, q_idx, q_idx - 1), device=device)
     sees_previous = sees_previous.expand(batch_size, length - 1)  # [B, N-1]
-    if bool(sees_previous.all()):
+    if host_reads_allowed() and bool(sees_previous.all()):  # traced: one segment per row (all ids 0) is kept
         return None
     starts = torch.nn.functional.pad(~sees_previous, (1, 0), value=False)  # [B, N]
     return starts.long().cumsum(-1)

@@ -2,7 +2,8 @@
 
 The plan is made on the host, from index ranges and per-block (min, max) statistics of the padding mask and
 segment ids: blocks that the masks fully exclude never reach the per-block math, and blocks no mask cuts into
-run unmasked.
+run unmasked. While torch.compile traces (`host_reads_allowed`), no tensor data is read: every block the causal /
+window rules allow is visited, with the padding and segment masks applied in each (dense per-block masks).
 """
 from __future__ import annotations
 
@@ -55,6 +56,13 @@ class KVBlock:
     segments: bool  # query and key segments differ somewhere in this block
 
 
+def host_reads_allowed() -> bool:
+    """Whether host code may read tensor data (.tolist(), bool(t), .item()) to skip work: not while torch.compile
+    traces, where such a read is a data-dependent guard (a graph break, an error under fullgraph=True). Callers then
+    take the dense path, which computes the same result without looking at the data."""
+    return not torch.compiler.is_compiling()
+
+
 def make_plan(spec: AttentionSpec, b: int, nq: int, nk: int, padding_mask, segment_ids, q_segment_ids=None):
     """-> [(i0, i1, [KVBlock, ...]) per query block].
 
@@ -63,11 +71,14 @@ def make_plan(spec: AttentionSpec, b: int, nq: int, nk: int, padding_mask, segme
     segment_ids[:, offset:].
     """
     qb, kb, off, window = spec.q_block, spec.kv_block, spec.offset, spec.window
-    pad_stats = _block_min_max(padding_mask, kb) if padding_mask is not None else None
-    seg_k = _block_min_max(segment_ids, kb) if segment_ids is not None else None
+    # Dense (under tracing): no statistics; every block gets the padding / segment masks there are. Blocks the
+    # statistics would have skipped add exactly nothing (every score hidden: probability 0, running max unchanged).
+    dense = not host_reads_allowed()
+    pad_stats = _block_min_max(padding_mask, kb) if padding_mask is not None and not dense else None
+    seg_k = _block_min_max(segment_ids, kb) if segment_ids is not None and not dense else None
     if segment_ids is not None and q_segment_ids is None:
         q_segment_ids = segment_ids[:, off:]
-    seg_q = _block_min_max(q_segment_ids, qb) if segment_ids is not None else None
+    seg_q = _block_min_max(q_segment_ids, qb) if seg_k is not None else None
     plan = []
     for i0 in range(0, nq, qb):
         i1 = min(i0 + qb, nq)
@@ -79,7 +90,7 @@ def make_plan(spec: AttentionSpec, b: int, nq: int, nk: int, padding_mask, segme
             j1 = min(j0 + kb, nk)
             causal = spec.causal and j1 - 1 > p0
             windowed = window is not None and p1 - 1 - j0 >= window
-            padding = segments = False
+            padding, segments = dense and padding_mask is not None, dense and segment_ids is not None
             if pad_stats is not None:
                 lo_pad, hi_pad = pad_stats
                 if not any(row[j0 // kb] for row in hi_pad):
