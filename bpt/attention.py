@@ -355,12 +355,15 @@ class _BlockwiseAttention(torch.autograd.Function):
         dv = torch.zeros(v3.shape, dtype=acc_dtype, device=v3.device)  # [BH, Nk, Dv]
         sink_grad = None if sinks is None else SinkGrad(sinks, b, k_shape[1], g, acc_dtype)
         work = Workspace(enabled=not spec.use_compile)
+        # Rows with no visible key that stock's rule gives gradients ([BH, G, Nq] bool), or None. Looked for once
+        # per call where the data may be read; traced, an all-False mask adds exact zeros.
+        empty_all = None if spec.empty_rows == "zeros" else empty_rows_of(lse)
+        if empty_all is not None and host_reads_allowed() and not bool(empty_all.any()):
+            empty_all = None
         for i0, i1, blocks in plan:
-            empty = None  # rows with no visible key that stock's rule gives gradients: [BH, R] bool
-            if spec.empty_rows != "zeros":
-                empty = empty_rows_of(lse[:, :, i0:i1]).reshape(bh, -1)
-                # skipped only where the data may be read; traced, an all-False mask adds exact zeros
-                empty = empty if not host_reads_allowed() or bool(empty.any()) else None
+            empty = None if empty_all is None else empty_all[:, :, i0:i1].reshape(bh, -1)  # [BH, R]
+            if empty is not None and host_reads_allowed() and not bool(empty.any()):
+                empty = None
             if not blocks and empty is None:
                 continue  # rows with no visible key: O = 0, so zero gradients (the sink's too)
             qs = scaled_query_rows(q3, i0, i1, spec)  # [BH, R, D]
