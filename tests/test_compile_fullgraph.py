@@ -9,7 +9,6 @@ fail there), in seconds rather than the minutes inductor's C++ builds take on tw
 """
 from __future__ import annotations
 
-import copy
 from unittest import mock
 
 import pytest
@@ -18,8 +17,7 @@ import torch
 from bpt import compile as bpt_compile
 from bpt.attention import blockwise_attention
 from bpt.engine import AttentionSpec, make_plan
-from patches import apply_bpt_patch
-from tiny_models import VOCAB, tiny_model
+from test_generation import pair, prompt
 
 BACKEND = "eager"
 BLOCKS = dict(q_block=4, kv_block=4, mlp_chunk=4, loss_chunk=4)  # several blocks in 10-token sequences
@@ -129,19 +127,11 @@ def test_blockwise_attention_fullgraph_equals_eager(empty_rows):
 
 
 def _pair():
-    stock = tiny_model("llama", num_hidden_layers=1).eval()  # one layer: tracing time is per layer
-    patched = copy.deepcopy(stock)
-    apply_bpt_patch(patched, **BLOCKS)
-    return stock, patched
+    return pair("llama", BLOCKS, num_hidden_layers=1)  # one layer: tracing time is per layer
 
 
 def _prompt(left_padded: bool):
-    input_ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
-    attention_mask = torch.ones_like(input_ids)
-    if left_padded:
-        input_ids[0, :3] = 0
-        attention_mask[0, :3] = 0
-    return input_ids, attention_mask
+    return prompt(left_padded, length=10, pads=3)
 
 
 @pytest.mark.parametrize("left_padded", [False, True], ids=["no_mask", "left_padded"])

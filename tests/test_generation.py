@@ -25,19 +25,21 @@ PROMPT = 20  # > q_block (16): the prefill runs blockwise; > mistral's / gemma2'
 STATIC_GENERATE = ["llama", "mistral", "gemma2", "gpt2", "bloom", "falcon"]
 
 
-def pair(name):
-    stock = tiny_model(name).eval()
+def pair(name, blocks=SMALL_BLOCKS, **overrides):
+    """(stock in eval mode, a patched copy with `blocks`); overrides go to the tiny config."""
+    stock = tiny_model(name, **overrides).eval()
     patched = copy.deepcopy(stock)
-    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    apply_bpt_patch(patched, **blocks)
     return stock, patched
 
 
-def prompt(left_padded: bool):
-    input_ids = make_batch("plain", batch=2, length=PROMPT)["input_ids"]
+def prompt(left_padded: bool, length: int = PROMPT, pads: int = 6):
+    """(input_ids, attention_mask) [2, length]; left_padded: row 0 starts with `pads` pad tokens (id 0)."""
+    input_ids = make_batch("plain", batch=2, length=length)["input_ids"]
     attention_mask = torch.ones_like(input_ids)
     if left_padded:
-        attention_mask[0, :6] = 0
-        input_ids[0, :6] = 0
+        attention_mask[0, :pads] = 0
+        input_ids[0, :pads] = 0
     return input_ids, attention_mask
 
 
