@@ -2,6 +2,7 @@
 
 - `run_worker`: parent side; writes the spec json, runs `python -m bpt.bench --worker SPEC.json`, reads the result
 - `run_ranks`: the same for a process group: one worker per rank, a failed or late rank stops the whole group
+- `worker_command`: the worker's argv (with the simulated-GPU shim loaded first for a simulated CUDA device)
 - `worker_env`: the worker's environment (glibc malloc thresholds, PYTHONPATH to this checkout)
 - `worker_main`: child side; runs the probe or training task of the spec, writes the result json
 - `describe_exit`, `_oom_message`: why a run failed, in one line (killed, exit status, out of memory)
@@ -24,7 +25,24 @@ import torch
 from bpt.bench.measure import run_probe, run_training
 from bpt.bench.sequence_parallel import run_sp_group
 
-TASKS = {"probe": run_probe, "train": run_training, "sp_train": run_sp_group}
+
+
+def _simulate(spec: dict) -> dict:
+    from bpt.bench.simulate import run_simulation  # the gpusim modules load only in simulation workers
+
+    return run_simulation(spec)
+
+
+TASKS = {"probe": run_probe, "train": run_training, "sp_train": run_sp_group, "simulate": _simulate}
+
+
+def worker_command(spec_path: str, spec: dict) -> list[str]:
+    """argv of the worker process; a simulated CUDA device needs the gpusim shim loaded before torch."""
+    if spec["task"] == "simulate" and spec["simulate"] != "cpu":
+        from bpt.gpusim.shim import boot_command
+
+        return boot_command("bpt.bench", "--worker", spec_path)
+    return [sys.executable, "-m", "bpt.bench", "--worker", spec_path]
 
 
 def worker_env(malloc: str) -> dict:
@@ -96,7 +114,7 @@ def run_worker(spec: dict, timeout: float | None = None) -> dict:
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        command = [sys.executable, "-m", "bpt.bench", "--worker", spec_path]
+        command = worker_command(spec_path, spec)
         try:
             proc = subprocess.run(command, env=worker_env(spec["malloc"]), capture_output=True, text=True,
                                   timeout=timeout)

@@ -1,0 +1,211 @@
+"""The `--simulate DEVICE` task: one training step of the real code on a simulated device, bytes counted.
+
+- `run_simulation(spec)`: the worker task (a process started with the gpusim shim for CUDA devices): builds the
+  model on meta, materialises fake weights on the device, runs forward + backward under the tracker; with
+  spec["extrapolate_to"] it runs depths L and L+1 and extends the (exactly linear) peak to the model's depth
+- `build_simulated_model`: the model of a spec, as the recipe builds it (4-bit base with the other weights in
+  fp32 as peft's prepare_model_for_kbit_training leaves them, or 16-bit; LoRA; the patch)
+- `transformers_sees_real_tensors`: transformers takes fake tensors for compile tracing and then builds an
+  O(N^2) packed mask no GPU run builds; inside, it sees them as real
+- `fits`, `longest_fitting`: the simulated peak against the device's usable memory; doubling then bisection
+
+Every figure is allocated bytes on a simulated device (see bpt.gpusim): kernel workspaces other than flash
+backward's, fragmentation and the CUDA context are in gpus.RESERVE_BYTES, uncalibrated.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+
+from bpt.gpusim.gpus import device as simulated_device
+
+WEIGHT_DTYPES = {32: torch.float32, 16: torch.bfloat16}
+
+
+@contextlib.contextmanager
+def transformers_sees_real_tensors():
+    from transformers.utils import import_utils
+
+    saved = import_utils.is_fake_tensor
+    import_utils.is_fake_tensor = lambda tensor: False
+    try:
+        yield
+    finally:
+        import_utils.is_fake_tensor = saved
+
+
+@contextlib.contextmanager
+def counting_blockwise_calls(paths):
+    """Count calls of the patch's own blockwise kernel (the attention path that is not SDPA)."""
+    import bpt.attention as attention
+
+    inner = attention._blockwise
+
+    def counted(*args, **kwargs):
+        paths["blockwise"] += 1
+        return inner(*args, **kwargs)
+
+    attention._blockwise = counted
+    try:
+        yield
+    finally:
+        attention._blockwise = inner
+
+
+def build_simulated_model(spec: dict, layers: int):
+    """(model on meta, patch handle or None) for the spec with `layers` decoder layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{**spec["model_config"], "num_hidden_layers": layers})
+    if hasattr(config, "layer_types") and config.layer_types is not None:  # per-layer lists follow the depth
+        config.layer_types = list(config.layer_types)[:layers]
+    bits = spec["bits"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                 dtype=WEIGHT_DTYPES.get(bits, torch.bfloat16))
+    model.config.use_cache = False
+    model.train()
+    checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    if bits == 4:
+        from peft import prepare_model_for_kbit_training
+
+        from bpt.gpusim.quant4 import quantise_linears
+
+        quantise_linears(model)
+        model.is_loaded_in_4bit = True
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec["gradient_checkpointing"],
+                                                **checkpointing)
+    elif spec["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable(**checkpointing)
+    if spec["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        targets = spec.get("lora_targets") or "all-linear"
+        model = get_peft_model(model, LoraConfig(
+            r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=spec.get("lora_dropout", 0.0),
+            target_modules=targets, task_type="CAUSAL_LM", modules_to_save=spec.get("modules_to_save")))
+    handle = None
+    if spec["side"] == "patched":
+        from patches import apply_bpt_patch
+
+        handle = apply_bpt_patch(model, **{**spec["bpt"], "compile": False})
+    return model, handle
+
+
+def _inputs(spec: dict, vocab: int, device: torch.device) -> dict:
+    batch, n = spec["batch_size"], spec["seq_len"]
+    ids = torch.zeros(batch, n, dtype=torch.long, device=device)
+    inputs = {"input_ids": ids, "labels": ids}
+    documents = spec.get("packed_documents") or 0
+    if documents > 1:  # packed rows: positions restart at every document
+        length = -(-n // documents)
+        inputs["position_ids"] = (torch.arange(n, device=device) % length).expand(batch, n)
+    return inputs
+
+
+def simulate_step(spec: dict, layers: int, real: bool = False) -> dict:
+    """One forward + backward of the spec's model with `layers` layers on the simulated device; `real`: on real
+    tensors of that device type instead (uninitialised weights), the same tracker counting, for calibration
+    (with torch.cuda.max_memory_allocated beside it on a GPU) and to check the simulation against real tensors."""
+    from bpt.gpusim.device import Simulation, simulate
+    from bpt.gpusim.tracker import AllocationTracker, DataOracle, flash_backward_workspace, materialize_fake
+
+    gpu = simulated_device(spec["simulate"])
+    start = time.perf_counter()
+    model, handle = build_simulated_model(spec, layers)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(transformers_sees_real_tensors())
+        if real:
+            sim = Simulation(gpu, None, DataOracle())
+            model.to_empty(device=sim.torch_device)
+        else:
+            sim = stack.enter_context(simulate(gpu))
+            materialize_fake(model, sim.fake_mode, sim.torch_device)
+        stack.enter_context(counting_blockwise_calls(sim.attention_paths))
+        inputs = _inputs(spec, model.config.vocab_size, sim.torch_device)
+        tracker = AllocationTracker(top=spec.get("top", 10), workspace=flash_backward_workspace)
+        stack.enter_context(tracker)
+        tracker.track(*model.parameters(), *model.buffers(), *inputs.values())
+        before = tracker.live
+        measured = _real_cuda_peak(sim.torch_device) if real else contextlib.nullcontext({})
+        with measured as allocator:
+            tracker.phase = "forward"
+            # bf16 autocast on the GPU, as the recipe trains (made inside `simulate`: torch refuses it outside)
+            with torch.autocast("cuda", dtype=torch.bfloat16) if gpu.is_cuda else contextlib.nullcontext():
+                loss = model(**inputs).loss
+            tracker.phase = "backward"
+            loss.backward()
+            del loss
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if handle is not None:
+        handle.remove()
+    return {**tracker.summary(), "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
+            "attention_paths": dict(sim.attention_paths), "oracle_answers": dict(sim.oracle.answers),
+            "trainable_params": sum(p.numel() for p in trainable),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "seconds": time.perf_counter() - start}
+
+
+@contextlib.contextmanager
+def _real_cuda_peak(device: torch.device):
+    """On a real GPU: yields a dict that gets the allocator's own figures for the block (calibration)."""
+    figures = {}
+    if device.type != "cuda":
+        yield figures
+        return
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    yield figures
+    torch.cuda.synchronize()
+    figures.update(cuda_peak_bytes=torch.cuda.max_memory_allocated(), cuda_before_bytes=before,
+                   cuda_step_bytes=torch.cuda.max_memory_allocated() - before)
+
+
+def run_simulation(spec: dict) -> dict:
+    """Worker task "simulate": the row of one (side, seq_len) on the simulated device (spec["real"]: on real
+    tensors, see simulate_step)."""
+    depth = spec["model_config"]["num_hidden_layers"]
+    layers = min(spec.get("layers") or depth, depth)
+    real = bool(spec.get("real"))
+    step = simulate_step(spec, layers, real)
+    row = {"ok": True, "device": ("real " + spec["simulate"]) if real else simulated_device(spec["simulate"]).label, "layers": layers, "depth": depth,
+           "extrapolated": layers != depth, **step}
+    if layers != depth:  # peak(L) = a + b L exactly (checkpoints and weights per layer): extend it to the depth
+        more = simulate_step(spec, layers + 1, real)
+        per_layer = more["peak_bytes"] - step["peak_bytes"]
+        for key in ("peak_bytes", "before_bytes", "weight_bytes"):
+            row[key] = step[key] + (more[key] - step[key]) * (depth - layers)
+        row["step_bytes"] = row["peak_bytes"] - row["before_bytes"]
+        row["bytes_per_layer"] = per_layer
+        row["seconds"] += more["seconds"]
+    tokens = spec["batch_size"] * spec["seq_len"]
+    row["peak_gib"] = row["peak_bytes"] / 2**30
+    row["bytes_per_token"] = row["step_bytes"] / tokens
+    usable = simulated_device(spec["simulate"]).usable_bytes
+    row["fits"] = None if usable is None else row["peak_bytes"] <= usable
+    return row
+
+
+def longest_fitting(fits: Callable[[int], bool], start: int, cap: int, resolution: int = 1024) -> tuple[int | None, int | None]:
+    """(longest length that fits, shortest that does not) by doubling from `start`, then bisection to `resolution`
+    tokens; lengths stay multiples of `resolution`. (None, start) when even `start` does not fit; (cap', None)
+    when the cap fits."""
+    start = max(resolution, start // resolution * resolution)
+    if not fits(start):
+        return None, start
+    good, bad = start, None
+    while bad is None:
+        if good >= cap:
+            return good, None
+        n = min(good * 2, cap // resolution * resolution)
+        if n <= good:
+            return good, None
+        good, bad = (n, None) if fits(n) else (good, n)
+    while bad - good > resolution:
+        mid = (good + bad) // 2 // resolution * resolution
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good, bad

@@ -1,0 +1,170 @@
+"""What a simulated step allocates and computes, seen op by op (works on fake and on real tensors).
+
+- `AllocationTracker`: every tensor storage from the op that creates it until its last user dies (a weak
+  reference per storage), so the sum is what the CUDA caching allocator has handed out
+  (`torch.cuda.memory_allocated`, blocks rounded up to 512 bytes on CUDA) and its peak is
+  `max_memory_allocated`. It also keeps the largest holders at the peak (op, shape, dtype, bytes), the
+  FLOPs of every op torch's flop counter knows, by dtype, and the op count.
+- `flash_backward_workspace`: the transient buffers FlashAttention-2's backward allocates inside the op.
+- `DataOracle`: answers the data-dependent reads fake tensors cannot (nonzero, item) and logs where.
+- `materialize_fake`: a meta (or real) module's parameters and buffers as fake tensors on a device.
+"""
+from __future__ import annotations
+
+import heapq
+import os
+import traceback
+import weakref
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
+
+aten = torch.ops.aten
+CUDA_BLOCK = 512  # the caching allocator's rounding of every block
+
+
+def allocated_bytes(nbytes: int, device: torch.device) -> int:
+    """Bytes the allocator hands out for a storage of nbytes on device."""
+    if device.type == "cuda":
+        return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+    return nbytes
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Live and peak allocated bytes of the storages created under it (and of those passed to `track`).
+
+    phase: a label the caller sets ("forward", "backward") and that the peak records.
+    workspace(func, args) -> bytes: transient bytes an op allocates internally, counted during that op only.
+    top: how many of the largest live storages to keep at the peak.
+    """
+
+    def __init__(self, *, top: int = 10, workspace=None):
+        super().__init__()
+        self.top, self.workspace = top, workspace
+        self.live = self.peak = 0
+        self.peak_phase, self.peak_op = "", ""
+        self.peak_holders: list[dict] = []
+        self.phase, self.ops = "", 0
+        self.flops: Counter = Counter()  # dtype name -> FLOPs
+        self._sizes = WeakIdKeyDictionary()  # storage -> bytes
+        self._holders: dict[int, tuple] = {}  # id(storage) -> (bytes, op, shape, dtype)
+        self._op = "before"
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        """Count storages that already exist (weights, optimizer state) as live."""
+        for t in tensors:
+            self._add(t)
+        self._update(0)
+
+    def _add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage in self._sizes:
+            return
+        size = allocated_bytes(storage.nbytes(), t.device)
+        self._sizes[storage] = size
+        self.live += size
+        self._holders[id(storage)] = (size, self._op, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        weakref.finalize(storage, self._free, size, id(storage))
+
+    def _free(self, size: int, key: int) -> None:
+        self.live -= size
+        self._holders.pop(key, None)
+
+    def _update(self, extra: int) -> None:
+        if self.live + extra <= self.peak:
+            return
+        self.peak = self.live + extra
+        self.peak_phase, self.peak_op = self.phase, self._op
+        if self.top:
+            largest = heapq.nlargest(self.top, self._holders.values(), key=lambda h: h[0])
+            self.peak_holders = [{"bytes": b, "op": op, "shape": list(shape), "dtype": dtype}
+                                 for b, op, shape, dtype in largest]
+            if extra:
+                self.peak_holders.append({"bytes": extra, "op": self._op, "shape": [], "dtype": "workspace"})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._op = func.overloadpacket.__name__
+        extra = self.workspace(func, args) if self.workspace else 0
+        out = func(*args, **kwargs)
+        self.ops += 1
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            first = next(t for t in tree_leaves(args) if isinstance(t, torch.Tensor))
+            self.flops[str(first.dtype).removeprefix("torch.")] += formula(*args, **kwargs, out_val=out)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self._update(extra)
+        return out
+
+    def summary(self) -> dict:
+        return {"peak_bytes": self.peak, "peak_phase": self.peak_phase, "peak_op": self.peak_op,
+                "peak_holders": self.peak_holders, "flops_by_dtype": dict(self.flops), "ops": self.ops}
+
+
+def flash_backward_workspace(func, args) -> int:
+    """Bytes FlashAttention-2's backward allocates inside the op: softmax_d [B, H, Nq_128] fp32 and dq_accum
+    [B, Nq_128, H, D_32] fp32 (lengths rounded to 128, head dim to 32), and with grouped-query heads dk / dv
+    at the query heads' count [B, Nk, Hq, D] before they are summed down."""
+    if func is not aten._scaled_dot_product_flash_attention_backward.default:
+        return 0
+    q, k = args[1], args[2]
+    b, hq, nq, d = q.shape
+    nq_r, d_r = -(-nq // 128) * 128, -(-d // 32) * 32
+    size = allocated_bytes(b * hq * nq_r * 4, q.device) + allocated_bytes(b * nq_r * hq * d_r * 4, q.device)
+    if k.shape[1] != hq:
+        size += 2 * allocated_bytes(b * k.shape[2] * hq * d * q.element_size(), q.device)
+    return size
+
+
+class DataOracle(TorchDispatchMode):
+    """Answers data-dependent reads of fake tensors: nonzero -> every element nonzero (the most rows),
+    item() -> 1 / True. Each answer is counted under the first caller outside torch, so a simulation that
+    leaned on one says where (`answers`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.answers: Counter = Counter()
+
+    def _note(self, what: str) -> None:
+        site = "?"
+        for frame in reversed(traceback.extract_stack()[:-2]):
+            if f"{os.sep}torch{os.sep}" not in frame.filename and not frame.filename.endswith("tracker.py"):
+                site = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+                break
+        self.answers[f"{what}@{site}"] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.nonzero.default:
+            self._note("nonzero")
+            x = args[0]
+            return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+        if func is aten._local_scalar_dense.default:
+            self._note("item")
+            x = args[0]
+            return True if x.dtype == torch.bool else (1.0 if x.is_floating_point() else 1)
+        return func(*args, **kwargs)
+
+
+def materialize_fake(module: torch.nn.Module, fake_mode, device: torch.device | str) -> torch.nn.Module:
+    """Every parameter and buffer of `module` (on meta or real) replaced, in place, by a fake tensor of the same
+    shape, stride, dtype and requires_grad on `device`; tied tensors stay tied. (Module.to cannot: it swaps
+    tensor contents, and fake tensors refuse the swap.)"""
+    made: dict[int, torch.Tensor] = {}
+    with fake_mode:
+        for sub in module.modules():
+            for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in made:
+                        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                        made[id(t)] = torch.nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
+                    table[name] = made[id(t)]
+    return module
