@@ -4,9 +4,11 @@
     python -m bpt.bench --model llama-3-8b --dtype bf16 --seq_lens 8192 16384 --find_max --max_len 524288
     python -m bpt.bench --model path/to/config.json --sides patched --lora --output bench_results/x.json
     python -m bpt.bench --sequence_parallel 1 2 4 --sp_mode ring ulysses --lora --seq_lens 8192 32768
+    python -m bpt.bench --simulate h100-80gb --model llama-3.1-8b --bits 4 --lora --layers 2 --find_max
 
 - `build_parser`, `validate`: the flags, and every input checked before any work (errors exit with status 2)
 - `run_spec`, `sweep`: one worker spec per (side, seq_len), all lengths, then --find_max doubling
+- `simulated_sweep` (bpt.bench.simulated_sweep): with --simulate, rows of simulated steps and --find_max by bisection
 - `sp_sweep`: with --sequence_parallel, one process group per size N running every (length, mode)
 - `main`: probe, sweep, summary, output files; or, with `--worker`, the worker process itself
 """
@@ -27,8 +29,12 @@ from bpt.bench.models import PRESETS, SIDES, resolve_model_config
 from bpt.bench.report import (environment, format_report, format_sp_report, summarize, summarize_sp,
                               write_outputs)
 from bpt.bench.sequence_parallel import SP_MODES, combine
+from bpt.bench.simulated_sweep import format_simulated, simulated_report, simulated_sweep
 from bpt.bench.workers import run_ranks, run_worker, worker_main
 from bpt.config import BPTConfig
+from bpt.gpusim.gpus import DEVICES
+
+SIMULATED_MAX_LEN = 1 << 22  # --find_max's cap with --simulate when --max_len is not given
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -105,6 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", dest="torch_threads", type=int, action=_DeprecatedAlias, new_flag="--torch_threads")
     p.add_argument("--compile", dest="bpt_compile", choices=("auto", "on", "off"), action=_DeprecatedAlias,
                    new_flag="--bpt_compile / --no_bpt_compile", mapping={"auto": None, "on": True, "off": False})
+    sim = p.add_argument_group("simulated GPU (allocated bytes of one step on fake CUDA tensors; see bpt.gpusim)")
+    sim.add_argument("--simulate", choices=list(DEVICES), default=None,
+                     help="run every step on this simulated device instead of measuring this machine; 'cpu' = fake "
+                          "CPU tensors, to hold against a real CPU run (default: off)")
+    sim.add_argument("--bits", type=int, choices=(4, 16, 32), default=16,
+                     help="with --simulate on a GPU: base weights as bitsandbytes NF4 (4; other weights fp32, as "
+                          "peft's prepare_model_for_kbit_training leaves them), bf16 (16) or fp32 (32); bf16 autocast")
+    sim.add_argument("--lora_targets", type=lambda s: [t for t in s.split(",") if t], default=None,
+                     help="with --lora: comma-separated module names to adapt (default: every linear layer)")
+    sim.add_argument("--lora_dropout", type=float, default=0.0, help="with --lora and --simulate")
+    sim.add_argument("--layers", type=int, default=None,
+                     help="with --simulate: simulate L and L+1 decoder layers and extrapolate the (linear) peak to "
+                          "the model's depth, reported as extrapolated (default: the full depth)")
+    sim.add_argument("--top", type=int, default=10, help="with --simulate: largest live tensors listed at the peak")
+    sim.add_argument("--calibrate", action="store_true",
+                     help="with --simulate on a real GPU: also run each step for real and report "
+                          "torch.cuda.max_memory_allocated beside the prediction")
     p.add_argument("--worker", metavar="SPEC_JSON", help=argparse.SUPPRESS)
     return p
 
@@ -121,6 +144,10 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     args.sides = [s for s in SIDES if s in args.sides]
     if args.torch_threads is not None and args.torch_threads <= 0:
         p.error(f"--torch_threads must be positive, got {args.torch_threads}")
+    if args.simulate is not None:
+        validate_simulate(p, args)
+    elif any((args.lora_targets, args.lora_dropout, args.layers, args.calibrate, args.bits != 16)):
+        p.error("--bits, --lora_targets, --lora_dropout, --layers and --calibrate go with --simulate DEVICE")
     if args.find_max and args.max_len is None:
         p.error("--find_max needs --max_len (the cap for doubling the length)")
     if args.max_len is not None and args.max_len <= 0:
@@ -134,7 +161,7 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available to torch here")
-    if args.device == "cpu" and not os.path.exists("/proc/self/clear_refs"):
+    if args.device == "cpu" and args.simulate is None and not os.path.exists("/proc/self/clear_refs"):
         p.error("CPU memory measurement needs Linux /proc/self/clear_refs; run on Linux or with --device cuda")
     if args.lora:
         try:
@@ -162,6 +189,24 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
             p.error(f"--sp_mode ulysses splits the {heads} query heads of --model {args.model} over N ranks, so "
                     f"every --sequence_parallel size must divide {heads}; got {bad} (use --sp_mode ring for them)")
     return config
+
+
+def validate_simulate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The --simulate flags (errors exit with status 2)."""
+    if args.sequence_parallel is not None:
+        p.error("--simulate does not combine with --sequence_parallel yet; simulate one rank's length instead")
+    if args.layers is not None and args.layers <= 0:
+        p.error(f"--layers must be positive, got {args.layers}")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        p.error(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    if (args.lora_targets or args.lora_dropout) and not args.lora:
+        p.error("--lora_targets and --lora_dropout need --lora")
+    if args.simulate == "cpu" and args.bits != 16:
+        p.error("--simulate cpu follows --dtype (fp32 or bf16 weights, as the real CPU bench); drop --bits")
+    if args.calibrate and not torch.cuda.is_available():
+        p.error("--calibrate runs the real step beside the simulated one: it needs a CUDA GPU")
+    if args.find_max and args.max_len is None:
+        args.max_len = SIMULATED_MAX_LEN
 
 
 def validate_sp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -278,6 +323,17 @@ def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = 
         sys.exit(worker_main(args.worker))
     model_config = validate(p, args)
     runner = runner or (lambda spec: run_worker(spec, args.timeout))
+    model_name = args.model if args.model in PRESETS else Path(args.model).stem
+    stamp = lambda: datetime.datetime.now().strftime('%Y%m%d-%H%M%S')  # noqa: E731
+    if args.simulate is not None:
+        runs, found = simulated_sweep(args, model_config, runner)
+        report = simulated_report(args, environment(args, model_config, runs, None), runs, found)
+        output = args.output or Path("bench_results") / f"{model_name}-{args.simulate}-{stamp()}.json"
+        csv_path = write_outputs(output, report)
+        print()
+        print(format_simulated(args, runs, found))
+        print(f"\nwrote {output} and {csv_path}")
+        return report
 
     probe = runner({"task": "probe", "device": args.device, "malloc": args.malloc, "threads": args.torch_threads})
     if probe.get("ok"):
@@ -287,8 +343,6 @@ def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = 
     else:
         print(f"memory probe failed: {probe['error']}")
 
-    model_name = args.model if args.model in PRESETS else Path(args.model).stem
-    stamp = lambda: datetime.datetime.now().strftime('%Y%m%d-%H%M%S')  # noqa: E731
     if args.sequence_parallel is None:
         runs, found = sweep(args, model_config, runner)
         report = {"environment": environment(args, model_config, runs, probe),

@@ -113,9 +113,11 @@ def run_training(spec: dict) -> dict:
     ids = torch.randint(0, vocab, (batch, seq_len), generator=generator).to(device)
 
     def train_step():
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        return out.loss.detach()
+        # Only the loss outlives the forward, as in a training loop (HF Trainer's compute_loss): holding the
+        # output object would keep stock's N x V logits alive through backward.
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
 
     def measured_step():
         model.zero_grad(set_to_none=True)  # before the "before" reading: every step allocates its grads

@@ -173,7 +173,7 @@ def run_simulation(spec: dict) -> dict:
     real = bool(spec.get("real"))
     step = simulate_step(spec, layers, real)
     row = {"ok": True, "device": ("real " + spec["simulate"]) if real else simulated_device(spec["simulate"]).label, "layers": layers, "depth": depth,
-           "extrapolated": layers != depth, **step}
+           "extrapolated": layers != depth, "threads": torch.get_num_threads(), **step}
     if layers != depth:  # peak(L) = a + b L exactly (checkpoints and weights per layer): extend it to the depth
         more = simulate_step(spec, layers + 1, real)
         per_layer = more["peak_bytes"] - step["peak_bytes"]

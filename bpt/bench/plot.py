@@ -1,0 +1,74 @@
+"""Draw a --simulate report: simulated peak memory against sequence length, per side, with the device's
+capacity, its usable part and each side's longest fitting length marked.
+
+    python -m bpt.bench.plot docs/bench/llama-3.1-8b-qlora-h100.json --output docs/bench/llama-3.1-8b-qlora-h100.png
+
+Needs matplotlib (pip install matplotlib); nothing else in the toolkit does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+GIB = 1 << 30
+
+
+def plot(report: dict, output: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("drawing needs matplotlib: pip install matplotlib")
+    env = report["environment"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    for side, color in (("stock", "tab:red"), ("patched", "tab:blue")):
+        runs = sorted((r for r in report["runs"] if r["side"] == side and r["ok"]), key=lambda r: r["seq_len"])
+        if not runs:
+            continue
+        ax.plot([r["seq_len"] / 1024 for r in runs], [r["peak_bytes"] / GIB for r in runs], "o-", color=color,
+                label=f"{side} (simulated)", markersize=4)
+        longest = report["find_max"].get(side, {}).get("max_context_tokens")
+        at = next((r for r in runs if r["seq_len"] == longest), None)
+        if at is not None:
+            ax.plot([longest / 1024], [at["peak_bytes"] / GIB], "*", color=color, markersize=14)
+            ax.annotate(f"max {longest // 1024}K", (longest / 1024, at["peak_bytes"] / GIB), color=color,
+                        textcoords="offset points", xytext=(6, -14))
+    if env.get("memory_bytes"):
+        ax.axhline(env["memory_bytes"] / GIB, color="black", linewidth=1)
+        ax.text(ax.get_xlim()[0], env["memory_bytes"] / GIB, f" {env['memory_bytes'] / GIB:.0f} GiB device",
+                va="bottom")
+        ax.axhline(env["usable_bytes"] / GIB, color="gray", linestyle="--", linewidth=1)
+        ax.text(ax.get_xlim()[0], env["usable_bytes"] / GIB, " usable (uncalibrated reserve)", va="top",
+                color="gray")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (K tokens, batch 1)")
+    ax.set_ylabel("peak allocated memory (GiB)")
+    bits = {4: "4-bit NF4 base (QLoRA)", 16: "bf16 weights", 32: "fp32 weights"}[env["bits"]]
+    lora = f"LoRA r={env['lora_r']}" if env.get("lora") else "full fine-tune"
+    ax.set_title(f"{env['model']} on {env['device']}: {bits}, {lora}, bf16 autocast,\ngradient checkpointing, "
+                 "one forward + backward", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bpt.bench.plot", description=__doc__.split("\n\n")[0])
+    p.add_argument("report", type=Path, help="a JSON written by python -m bpt.bench --simulate ... --output")
+    p.add_argument("--output", type=Path, required=True, help="PNG to write")
+    args = p.parse_args(argv)
+    report = json.loads(args.report.read_text())
+    if not report.get("environment", {}).get("simulated"):
+        p.error(f"{args.report} is not a --simulate report")
+    plot(report, args.output)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
