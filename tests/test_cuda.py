@@ -117,3 +117,30 @@ def test_sequence_parallel_bench_on_nccl(tmp_path):
     for run in report["runs"]:
         assert run["ok"], run
         assert run["sent_bytes"] == run["theory_bytes"], run
+
+
+@pytest.mark.parametrize("side", ["stock", "patched"])
+def test_simulation_calibrated_against_the_real_gpu(side, capsys):
+    """The simulated step beside the same step on this GPU (llama-3.2-1b shapes, 2 of its layers, LoRA, bf16
+    autocast, 8K tokens): the tracker on real tensors must count what it counts on fake ones, and the allocator's
+    own peak is printed beside the prediction (the simulation's first calibration; the reserve is not in either)."""
+    from dataclasses import asdict
+
+    from bpt.bench.models import resolve_model_config
+    from bpt.bench.simulate import run_simulation
+    from bpt.bench.workers import run_worker
+    from bpt.config import BPTConfig
+
+    n = 8192
+    config = resolve_model_config("llama-3.2-1b", n) | {"num_hidden_layers": 2}
+    spec = dict(task="simulate", simulate="h100-80gb", side=side, seq_len=n, model_config=config, bits=16, lora=True,
+                lora_r=16, batch_size=1, gradient_checkpointing=True, bpt=asdict(BPTConfig()), malloc="default")
+    simulated = run_worker(spec)
+    real = run_simulation({**spec, "real": True})
+    assert simulated["ok"], simulated.get("error")
+    with capsys.disabled():
+        print(f"\n{side} {n}: simulated peak {simulated['peak_bytes'] / 2**30:.3f} GiB, tracker on real tensors "
+              f"{real['peak_bytes'] / 2**30:.3f} GiB, torch.cuda.max_memory_allocated {real['cuda_peak_bytes'] / 2**30:.3f}"
+              f" GiB (step {simulated['step_bytes'] / 2**30:.3f} vs {real['cuda_step_bytes'] / 2**30:.3f})")
+    assert real["peak_bytes"] == simulated["peak_bytes"]
+    assert abs(real["cuda_step_bytes"] - simulated["step_bytes"]) < 0.25 * real["cuda_step_bytes"]

@@ -37,22 +37,26 @@ def plot(report: dict, output: Path) -> None:
             ax.plot([longest / 1024], [at["peak_bytes"] / GIB], "*", color=color, markersize=14)
             ax.annotate(f"max {longest // 1024}K", (longest / 1024, at["peak_bytes"] / GIB), color=color,
                         textcoords="offset points", xytext=(6, -14))
-    if env.get("memory_bytes"):
-        ax.axhline(env["memory_bytes"] / GIB, color="black", linewidth=1)
-        ax.text(ax.get_xlim()[0], env["memory_bytes"] / GIB, f" {env['memory_bytes'] / GIB:.0f} GiB device",
-                va="bottom")
-        ax.axhline(env["usable_bytes"] / GIB, color="gray", linestyle="--", linewidth=1)
-        ax.text(ax.get_xlim()[0], env["usable_bytes"] / GIB, " usable (uncalibrated reserve)", va="top",
-                color="gray")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (K tokens, batch 1)")
+    lengths = sorted({r["seq_len"] for r in report["runs"] if r["phase"] == "sweep"})
+    ax.set_xticks([n / 1024 for n in lengths], [f"{n // 1024}K" for n in lengths])
+    ax.minorticks_off()
+    if env.get("memory_bytes"):
+        on_left = ax.get_yaxis_transform()  # x in axes fraction, y in data
+        ax.axhline(env["memory_bytes"] / GIB, color="black", linewidth=1)
+        ax.text(0.01, env["memory_bytes"] / GIB, f"{env['memory_bytes'] / GIB:.1f} GiB device", va="bottom",
+                transform=on_left)
+        ax.axhline(env["usable_bytes"] / GIB, color="gray", linestyle="--", linewidth=1)
+        ax.text(0.01, env["usable_bytes"] / GIB, "usable: minus the uncalibrated reserve", va="top", color="gray",
+                transform=on_left)
+    ax.set_xlabel("sequence length (tokens, batch 1)")
     ax.set_ylabel("peak allocated memory (GiB)")
     bits = {4: "4-bit NF4 base (QLoRA)", 16: "bf16 weights", 32: "fp32 weights"}[env["bits"]]
     lora = f"LoRA r={env['lora_r']}" if env.get("lora") else "full fine-tune"
-    ax.set_title(f"{env['model']} on {env['device']}: {bits}, {lora}, bf16 autocast,\ngradient checkpointing, "
-                 "one forward + backward", fontsize=10)
+    ax.set_title(f"{env['model']} on {env['device']}: {bits}, {lora},\nbf16 autocast, gradient checkpointing, "
+                 "one forward + backward", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="upper left")
+    ax.legend(loc="upper left", bbox_to_anchor=(0.0, 0.9))
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output)
