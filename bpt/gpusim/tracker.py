@@ -4,7 +4,8 @@
   reference per storage), so the sum is what the CUDA caching allocator has handed out
   (`torch.cuda.memory_allocated`, blocks rounded up to 512 bytes on CUDA) and its peak is
   `max_memory_allocated`. It also keeps the largest holders at the peak (op, shape, dtype, bytes), the
-  FLOPs of every op torch's flop counter knows, by dtype, and the op count.
+  FLOPs of every op torch's flop counter knows, by dtype, and the op count; with `shapes=True` also the shape
+  of every op output (structural checks: no op made an N x N or N x vocab tensor).
 - `flash_backward_workspace`: the transient buffers FlashAttention-2's backward allocates inside the op.
 - `DataOracle`: answers the data-dependent reads fake tensors cannot (nonzero, item) and logs where.
 - `materialize_fake`: a meta (or real) module's parameters and buffers as fake tensors on a device.
@@ -40,11 +41,13 @@ class AllocationTracker(TorchDispatchMode):
     phase: a label the caller sets ("forward", "backward") and that the peak records.
     workspace(func, args) -> bytes: transient bytes an op allocates internally, counted during that op only.
     top: how many of the largest live storages to keep at the peak.
+    shapes: also count the outputs of every op by (op, shape) in `output_shapes` (views and in-place results too).
     """
 
-    def __init__(self, *, top: int = 10, workspace=None):
+    def __init__(self, *, top: int = 10, workspace=None, shapes: bool = False):
         super().__init__()
         self.top, self.workspace = top, workspace
+        self.output_shapes: Counter | None = Counter() if shapes else None  # (op, shape) -> outputs
         self.live = self.peak = 0
         self.peak_phase, self.peak_op = "", ""
         self.peak_holders: list[dict] = []
@@ -99,6 +102,8 @@ class AllocationTracker(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._add(t)
+                if self.output_shapes is not None:
+                    self.output_shapes[self._op, tuple(t.shape)] += 1
         self._update(extra)
         return out
 
