@@ -122,24 +122,12 @@ def transformers_sees_real_tensors():
         import_utils.is_fake_tensor = saved
 
 
-@contextlib.contextmanager
 def no_host_reads(enabled: bool = True):
     """bpt's plan and masks without reading tensor data, as under torch.compile: every padding / segment mask is kept
     and applied in every block the causal / window rules leave (the DataOracle would read them as "no mask")."""
-    import bpt.attention
-    import bpt.engine.plan
-    import patches.masks
+    from bpt.engine import without_host_reads
 
-    modules = (bpt.engine.plan, bpt.attention, patches.masks)
-    saved = [m.host_reads_allowed for m in modules]
-    if enabled:
-        for m in modules:
-            m.host_reads_allowed = lambda: False
-    try:
-        yield
-    finally:
-        for m, fn in zip(modules, saved):
-            m.host_reads_allowed = fn
+    return without_host_reads() if enabled else contextlib.nullcontext()
 
 
 def tracker():

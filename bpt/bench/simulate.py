@@ -9,6 +9,12 @@
   O(N^2) packed mask no GPU run builds; inside, it sees them as real
 - `fits`, `longest_fitting`: the simulated peak against the device's usable memory; doubling then bisection
 
+Fake tensors hold no data: the DataOracle answers every read "true" (and the row lists where). For the patch that
+means an all-ones attention mask is dropped (an unpadded batch, as in a real run) and "are there query rows with no
+visible key?" is answered yes, so blockwise backward also runs its empty-row step (FLOPs of eager-attention families
+such as gemma2 are overstated by it; bpt.engine.without_host_reads would instead keep every mask, which a real
+unpadded run does not).
+
 Every figure is allocated bytes on a simulated device (see bpt.gpusim): kernel workspaces other than flash
 backward's, fragmentation and the CUDA context are in gpus.RESERVE_BYTES, uncalibrated.
 """

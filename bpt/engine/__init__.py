@@ -17,7 +17,8 @@ Forward and backward run under `autocast_off`, with score-sized temporaries from
 dtypes: query heads grouped under their kv head (`rows`), scores and statistics in the spec's accumulation
 dtype (fp32, fp64 for fp64 inputs). Masking and scoring rules: see `bpt.attention`.
 
-- `plan`: AttentionSpec, KVBlock, make_plan, host_reads_allowed, block_mask_args, dropout_keep_mask
+- `plan`: AttentionSpec, KVBlock, make_plan, host_reads_allowed, without_host_reads, block_mask_args,
+  dropout_keep_mask
 - `rows`: scaled_query_rows, sink_rows, start_rows, finish_rows, backward_rows, SinkGrad
 - `steps`: forward_step, backward_step, Workspace, autocast_off
 - `empty_rows`: what stock computes for rows with no visible key (zeros, or eager's uniform softmax):
@@ -26,11 +27,12 @@ dtype (fp32, fp64 for fp64 inputs). Masking and scoring rules: see `bpt.attentio
 from bpt.engine.empty_rows import (EMPTY_ROWS, check_empty_rows, empty_rows_backward_step, empty_rows_of,
                                    fill_empty_rows)
 from bpt.engine.plan import (AttentionSpec, KVBlock, block_mask_args, dropout_keep_mask, host_reads_allowed,
-                             make_plan)
+                             make_plan, without_host_reads)
 from bpt.engine.rows import SinkGrad, backward_rows, finish_rows, scaled_query_rows, sink_rows, start_rows
 from bpt.engine.steps import Workspace, autocast_off, backward_step, forward_step
 
-__all__ = ["AttentionSpec", "KVBlock", "make_plan", "host_reads_allowed", "block_mask_args", "dropout_keep_mask",
+__all__ = ["AttentionSpec", "KVBlock", "make_plan", "host_reads_allowed", "without_host_reads", "block_mask_args",
+           "dropout_keep_mask",
            "scaled_query_rows", "sink_rows", "start_rows", "finish_rows", "backward_rows", "SinkGrad", "forward_step",
            "backward_step", "Workspace", "autocast_off", "EMPTY_ROWS", "check_empty_rows", "empty_rows_of",
            "fill_empty_rows", "empty_rows_backward_step"]

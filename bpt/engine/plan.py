@@ -7,6 +7,7 @@ window rules allow is visited, with the padding and segment masks applied in eac
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,27 @@ class KVBlock:
     segments: bool  # query and key segments differ somewhere in this block
 
 
+_host_reads_off = 0  # > 0 inside without_host_reads(); process-wide: autograd may run backward on another thread
+
+
 def host_reads_allowed() -> bool:
     """Whether host code may read tensor data (.tolist(), bool(t), .item()) to skip work: not while torch.compile
-    traces, where such a read is a data-dependent guard (a graph break, an error under fullgraph=True). Callers then
-    take the dense path, which computes the same result without looking at the data."""
-    return not torch.compiler.is_compiling()
+    traces, where such a read is a data-dependent guard (a graph break, an error under fullgraph=True), nor inside
+    `without_host_reads`. Callers then take the dense path, which computes the same result without looking at the
+    data."""
+    return not _host_reads_off and not torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def without_host_reads():
+    """The dense path everywhere for the duration, as under torch.compile: for tensors that hold no data to read
+    (the fake tensors of bpt.gpusim, where a read would only get an oracle's guess)."""
+    global _host_reads_off
+    _host_reads_off += 1
+    try:
+        yield
+    finally:
+        _host_reads_off -= 1
 
 
 def make_plan(spec: AttentionSpec, b: int, nq: int, nk: int, padding_mask, segment_ids, q_segment_ids=None):
