@@ -20,10 +20,12 @@ from pathlib import Path
 
 import yaml
 
+from bpt.gpusim.gpus import DEVICES
 from train.errors import UserError
 from train.rope import ROPE_TYPES, check_rope_flags
 
 TINY_LLAMA_DIR = Path(__file__).resolve().parent / "assets" / "tiny-llama"
+PLAN_DEVICES = tuple(name for name, gpu in DEVICES.items() if gpu.is_cuda)  # --plan: the simulated GPUs
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt")
@@ -137,6 +139,10 @@ class TrainArguments:
         None, "Checkpoint directory to resume from, or 'latest' for the newest checkpoint-N in output_dir.")
     report_to: str = _opt("none", "Experiment tracker (accelerate trackers).", choices=("none", "tensorboard", "wandb"))
     merge: bool = _opt(False, "Also write the base merged with the adapter (unquantised) to output_dir/merged.")
+    plan: str | None = _opt(
+        None, "Only plan: simulate one training step of this run on this GPU (nothing downloaded, no weights "
+        "loaded), print its predicted peak memory, whether it fits, the longest --max_seq_len that fits and the "
+        "largest tensors at the peak, then exit without training.", choices=PLAN_DEVICES)
 
 
 @dataclass

@@ -4,6 +4,8 @@
     python -m train.qlora --config configs/llama-8b-64k.yaml
     accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m train.qlora --config ...
 
+With --plan GPU it only simulates this run's step on that GPU and prints what it needs (train.plan), then exits.
+
 Order of work: every cheap check (flags, output dir, checkpoint, model config, family, positions,
 data) runs before any weights are loaded, so mistakes fail fast as one-line UserErrors.
 Then: base -> k-bit prep -> LoRA -> BPT patch (train.model), the loop, the final adapter.
@@ -37,6 +39,7 @@ from train.errors import UserError
 from train.lifecycle import SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise
 from train.metrics import EVAL_SEED, check_passkey_lengths, passkey_accuracy
 from train.parallel import launched_world_size, make_layout
+from train.plan import PlanFailed, print_plan
 
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
 TRACKER_PROJECT = "train.qlora"  # tensorboard: the subdirectory of output_dir; wandb: the project (or WANDB_PROJECT)
@@ -346,9 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     with SIGNALS.mode(graceful=False):
         try:
             args = parse_args(argv)
+            if args.plan:  # a simulated step of this run, printed; nothing loaded, no training
+                print_plan(args)
+                return 0
             run(args)
         except UserError as error:
             return leave(f"error: {error}", 2)
+        except PlanFailed as error:
+            return leave(f"error: {error}", 1)
         except loop.TrainingDiverged as error:
             return leave(f"error: {error}", 1)
         except Interrupted as stop:

@@ -2,6 +2,7 @@
 
 - `SIDES`: the two sides compared, stock transformers and the BPT patch
 - `PRESETS`: model shapes by name (random weights from config are fine for memory and speed)
+- `HUB_MODELS`: well-known hub names -> their preset and position settings (train.qlora --plan, offline)
 - `resolve_model_config`: preset name or config json -> config dict, checked against transformers
 - `build_model`: the seeded model of a worker spec, with gradient checkpointing, LoRA and the patch as asked
 
@@ -50,6 +51,32 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
                          tie_word_embeddings=True),
+}
+
+# Well-known hub models -> (preset, what their config.json has beyond the preset's shape: positions and RoPE),
+# for `python -m train.qlora --plan` when the model's config.json is neither local nor in the hub cache.
+# Values from the models' config.json on the hub; a name is matched case-insensitively.
+_LLAMA3_8K = {"max_position_embeddings": 8192, "rope_theta": 500000.0}
+_LLAMA32 = {"max_position_embeddings": 131072, "rope_theta": 500000.0, "rope_scaling": {
+    "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}}
+_QWEN_32K = {"max_position_embeddings": 32768, "rope_theta": 1000000.0}
+HUB_MODELS: dict[str, tuple[str, dict]] = {
+    **{name: ("llama-3.1-8b", {}) for name in (
+        "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct",
+        "meta-llama/Meta-Llama-3.1-8B", "meta-llama/Meta-Llama-3.1-8B-Instruct")},
+    "meta-llama/Meta-Llama-3-8B": ("llama-3-8b", _LLAMA3_8K),
+    "meta-llama/Meta-Llama-3-8B-Instruct": ("llama-3-8b", _LLAMA3_8K),
+    "meta-llama/Llama-3.2-1B": ("llama-3.2-1b", _LLAMA32),
+    "meta-llama/Llama-3.2-1B-Instruct": ("llama-3.2-1b", _LLAMA32),
+    "Qwen/Qwen2.5-7B": ("qwen2.5-7b", {}),
+    "Qwen/Qwen2.5-7B-Instruct": ("qwen2.5-7b", {"max_position_embeddings": 32768}),
+    "Qwen/Qwen2.5-0.5B": ("qwen2.5-0.5b", _QWEN_32K),
+    "Qwen/Qwen2.5-0.5B-Instruct": ("qwen2.5-0.5b", _QWEN_32K),
+    "mistralai/Mistral-7B-v0.3": ("mistral-7b", {}),
+    "mistralai/Mistral-7B-Instruct-v0.3": ("mistral-7b", {}),
+    "google/gemma-2-9b": ("gemma-2-9b", {}),
+    "google/gemma-2-9b-it": ("gemma-2-9b", {}),
 }
 
 

@@ -1,0 +1,177 @@
+"""`python -m train.qlora ... --plan GPU`: this run's training step simulated on a GPU before any download
+(train/plan.py). The plan prints a verdict and trains nothing; its peak is run_simulation's for the very spec a
+hand-built description of the run gives; models resolve offline (directory, hub cache, built-in hub shapes); the
+longest --max_seq_len search is exact to its resolution; mistakes are one line with exit status 2."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from cli_helpers import ENV, REPO, base_argv, error_line
+from train.args import PLAN_DEVICES, TrainArguments, parse_args
+from train.plan import (OPTIMIZER_STATE_BYTES, RESOLUTION, longest_fitting_length, model_config, print_plan,
+                        step_spec)
+from train.qlora import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LLAMA_8B_64K = REPO / "configs" / "llama-8b-64k.yaml"
+
+
+def _verdict(text: str) -> str:
+    return re.search(r"^  verdict  (.*)$", text, re.M).group(1)
+
+
+def test_plan_of_a_tiny_local_model_prints_a_verdict_and_trains_nothing(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(base_argv(tiny, out, "--plan", "rtx4090-24gb")) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("--plan rtx4090-24gb: simulated, not measured; no weights loaded, no training\n"), text
+    assert f"config.json of {tiny / 'model'}" in text
+    assert _verdict(text).startswith("FITS, ") and _verdict(text).endswith("(simulated)")
+    assert "optimizer state: adamw, 8 B x" in text and "uncalibrated" in text
+    assert len(re.findall(r"^    .* (float32|bfloat16) \[", text, re.M)) == 5  # the five largest at the peak
+    # The model positions 128 tokens and no --rope_scaling is set: the longest allowed, and it fits.
+    assert "  longest  --max_seq_len 128 fits, the longest allowed (the model's positions" in text
+    assert not out.exists()  # no output directory, no checkpoint, no training
+
+
+def test_the_plan_simulates_this_very_run(tiny, tmp_path):
+    """Non-default flags all reach the simulated step: its peak equals run_simulation's of the spec written out by
+    hand from the run's flags (the tiny model's config, 16-bit, q/v adapters, embeddings and norms trained, two
+    rows per device, each rank holding half of --max_seq_len, no packing, the block sizes)."""
+    from bpt.bench.workers import run_worker
+    from bpt.config import BPTConfig
+
+    argv = base_argv(tiny, tmp_path / "run", "--plan", "a100-40gb", "--bits", 16, "--lora_target_modules", "q_proj,v_proj",
+                     "--train_embeddings_and_norms", "--per_device_train_batch_size", 2, "--sequence_parallel", 2,
+                     "--no_packing", "--lora_dropout", 0.1, "--gradient_accumulation_steps", 2)
+    planned = print_plan(parse_args(argv), echo=lambda line: None)
+    config = json.loads((tiny / "model" / "config.json").read_text())
+    by_hand = dict(task="simulate", simulate="a100-40gb", side="patched", seq_len=32, model_config=config, bits=16,
+                   lora=True, lora_r=4, lora_targets=["q_proj", "v_proj"], lora_dropout=0.1,
+                   modules_to_save=["embed_tokens", "input_layernorm", "norm", "post_attention_layernorm"],
+                   batch_size=2, gradient_checkpointing=True,
+                   bpt=dataclasses.asdict(BPTConfig(q_block=16, kv_block=16, mlp_chunk=16, loss_chunk=16)),
+                   layers=None, packed_documents=0, top=5, malloc="mmap")
+    direct = run_worker(by_hand, 600)
+    assert direct["ok"], direct
+    assert planned.row["peak_bytes"] == direct["peak_bytes"]
+    assert planned.row["trainable_params"] == direct["trainable_params"]
+    # Added analytically: AdamW's two fp32 moments and the gradients kept between the two micro-batches.
+    trainable = direct["trainable_params"]
+    assert planned.peak_bytes == direct["peak_bytes"] + 8 * trainable + 4 * trainable
+    assert planned.longest == 128 and planned.first_over is None  # the model's positions
+
+
+def test_a_hub_name_with_a_built_in_shape_plans_offline(tmp_path):
+    """The model of configs/llama-8b-64k.yaml, gated, not in the hub cache, not downloadable: its built-in shape,
+    2 and 3 of 32 layers simulated and extrapolated (at its own 8192 positions: one simulated step, ~30 s)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "train.qlora", "--model_name_or_path", "meta-llama/Meta-Llama-3-8B", "--max_seq_len",
+         "8192", "--output_dir", str(tmp_path / "run"), "--plan", "h100-80gb"], cwd=REPO,
+        env={**ENV, "HF_HUB_CACHE": str(tmp_path / "empty-cache")}, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = done.stdout
+    assert "meta-llama/Meta-Llama-3-8B: built-in shape llama-3-8b" in text
+    assert "(2 and 3 of 32 layers run, extrapolated)" in text and "2-layer extrapolation" in text
+    assert _verdict(text).startswith("FITS, ")
+    assert "  longest  --max_seq_len 8192 fits, the longest allowed (the model's positions" in text
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_llama_8b_64k_preset_is_planned_as_it_would_train():
+    """configs/llama-8b-64k.yaml (a gated hub model): its built-in shape with the run's RoPE scaling, and the step
+    spec of the run (not simulated here: that takes minutes on a CPU; the tests above run the same path)."""
+    args = parse_args(["--config", str(LLAMA_8B_64K), "--plan", "h100-80gb"])
+    config, source = model_config(args.model_name_or_path, False)
+    assert source.startswith("built-in shape llama-3-8b")
+    spec = step_spec(args, config, args.max_seq_len, (args.lora_target_modules, ["embed_tokens"]))
+    model = spec["model_config"]
+    assert model["rope_parameters"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 500000.0}
+    assert model["max_position_embeddings"] == 65536 and model["num_hidden_layers"] == 32
+    assert (spec["seq_len"], spec["bits"], spec["lora_r"], spec["layers"], spec["side"]) == (65536, 4, 8, 2, "patched")
+    assert spec["packed_documents"] > 1 and spec["gradient_checkpointing"]
+
+
+def test_a_config_in_the_hub_cache_is_used(tiny, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "models--someone--tiny" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((tiny / "model" / "config.json").read_text())
+    (tmp_path / "models--someone--tiny" / "refs").mkdir()
+    (tmp_path / "models--someone--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    config, source = model_config("someone/tiny", False)
+    assert source == "config.json from the hub cache" and config.hidden_size == 64
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model_name_or_path", "nobody/unknown-model"],
+     "error: --plan: no config for model nobody/unknown-model: not a local directory, not in the hub cache"),
+    (["--config", str(LLAMA_8B_64K), "--bits", "8"], "error: --plan simulates --bits 4"),
+    (["--config", str(LLAMA_8B_64K), "--fsdp"], "error: --plan does not model --fsdp"),
+    (["--config", str(LLAMA_8B_64K), "--max_seq_len", "65537", "--rope_factor", "8"],
+     "error: --rope_factor 8 stretches 8192 positions to 65536"),
+], ids=["unknown-model", "8-bit", "fsdp", "positions"])
+def test_what_cannot_be_planned_is_one_line(argv, message, tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert main([*argv, "--output_dir", tmp_path / "run", "--plan", "h100-80gb"]) == 2
+    assert error_line(capsys).startswith(message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unknown_gpu_is_one_line(capsys):
+    assert main(["--config", LLAMA_8B_64K, "--plan", "h100"]) == 2
+    line = error_line(capsys)
+    assert "--plan: invalid choice: 'h100'" in line and "'h100-80gb'" in line
+    assert "cpu" not in PLAN_DEVICES and "h100-80gb" in PLAN_DEVICES
+
+
+def test_every_optimizer_has_its_state_size():
+    optim = next(f for f in dataclasses.fields(TrainArguments) if f.name == "optim")
+    assert set(optim.metadata["choices"]) == set(OPTIMIZER_STATE_BYTES)
+
+
+def test_every_built_in_hub_shape_builds():
+    from transformers import AutoConfig
+
+    from bpt.bench.models import HUB_MODELS, PRESETS
+
+    for name, (preset, overrides) in HUB_MODELS.items():
+        assert preset in PRESETS and "/" in name
+        config = AutoConfig.for_model(**{**PRESETS[preset], **overrides})
+        assert config.max_position_embeddings >= 8192, name
+
+
+@pytest.mark.parametrize("shape", ["linear", "convex", "steps"])
+@pytest.mark.parametrize("limit, cap", [(5_000_000, 1 << 20), (90_000_000, 1 << 20), (90_000_000, 70_000),
+                                        (90_000_000, 500), (400, 1 << 20), (123_456_789, 1 << 20)])
+def test_the_longest_length_search_is_exact_to_its_resolution(shape, limit, cap):
+    def peak(n):
+        return {"linear": 1000 + 700 * n, "convex": 1000 + 600 * n + n * n // 10_000,
+                "steps": 1000 + 700 * (-(-n // 4096) * 4096)}[shape]
+
+    candidates = [n for n in range(RESOLUTION, cap + 1, RESOLUTION)] + [cap]
+    fitting = [n for n in candidates if peak(n) <= limit]
+    expected = max(fitting, default=None)
+    start = min(65536, cap)
+    probed = []
+    longest, first_over = longest_fitting_length(lambda n: probed.append(n) or peak(n), limit, cap,
+                                                 {start: peak(start)})
+    assert longest == expected, (longest, first_over, probed)
+    if expected != cap:
+        assert first_over == min(n for n in candidates if peak(n) > limit)
+    else:
+        assert first_over is None
+    assert len(probed) <= 12, probed
+    if shape == "linear":
+        assert len(probed) <= 4, probed

@@ -1,0 +1,364 @@
+"""`python -m train.qlora ... --plan GPU`: this run's training step on a simulated GPU, before any download.
+
+What is simulated is the step `python -m train.qlora` would run with the same flags (bpt.bench.simulate: the real
+model code, peft, the patch, checkpointing, bf16 autocast, on fake CUDA tensors whose allocated bytes are counted):
+the model's config with this run's RoPE scaling, --bits, the LoRA targets / rank / dropout, the embeddings and norms
+of --train_embeddings_and_norms, checkpointing, the patch and its block sizes, the per-device batch, packed rows,
+and max_seq_len / --sequence_parallel tokens per rank. Each step runs in a fresh worker process (the simulated GPU
+must be loaded before torch); 2 layers and 3 are simulated and the (exactly linear) peak extended to the depth.
+
+Added analytically, not simulated: the optimizer state (OPTIMIZER_STATE_BYTES per trainable parameter), the
+gradients kept between the micro-batches of --gradient_accumulation_steps, and the gradient of a tied output head
+trained with the embedding. Not counted at all: ring / Ulysses communication buffers, DDP gradient buckets, and
+what gpus.RESERVE_BYTES stands for (CUDA context, kernel workspaces, fragmentation; uncalibrated).
+
+The config comes from the model directory, else the hub cache (offline), else the built-in shape of a well-known
+hub name (bpt.bench.models.HUB_MODELS): the plan never downloads anything.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import sys
+import time
+import warnings
+from typing import Callable
+
+from train.errors import UserError
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "paged_adamw_8bit": 2}  # two moments per trainable parameter: fp32 / 8-bit
+RESOLUTION = 1024  # the longest --max_seq_len is found to this many tokens
+SEARCH_CAP = 1 << 20  # ... and at most this many, where the model's positions set no limit
+SHALLOW_LAYERS = 2  # layers simulated (and one more) before extrapolating to the depth
+GUIDED_PROBES = 6  # probes placed by linear interpolation of the peak before plain bisection takes over
+WORKER_TIMEOUT_S = 1800
+GIB, MIB = 1 << 30, 1 << 20
+
+
+class PlanFailed(Exception):
+    """A simulated step that failed (the simulation's problem, not a mistake in the flags): exit status 1."""
+
+
+@dataclasses.dataclass
+class Planned:
+    """What `print_plan` found (returned for tests and callers in Python)."""
+
+    device: str
+    source: str  # where the model's config came from
+    spec: dict  # the worker spec of this run's step
+    row: dict  # run_simulation's row for it
+    extras: list  # (label, bytes) added analytically
+    peak_bytes: int  # row["peak_bytes"] + the extras
+    usable_bytes: int
+    longest: int | None = None
+    first_over: int | None = None
+    cap: int = 0
+    notes: list = dataclasses.field(default_factory=list)
+
+
+# ---------------------------------------------------------------- the model's config, offline
+
+def model_config(name: str, trust_remote_code: bool):
+    """(config without this run's RoPE scaling, where it came from); UserError when there is none offline."""
+    from train.model import load_config
+
+    local = os.path.expanduser(name)
+    if os.path.exists(local) or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return load_config(name, trust_remote_code), f"config.json of {name}"
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a valid repository id
+        cached = None
+    if isinstance(cached, str):
+        return load_config(os.path.dirname(cached), trust_remote_code), "config.json from the hub cache"
+    from transformers import AutoConfig
+
+    from bpt.bench.models import HUB_MODELS, PRESETS
+
+    known = {hub.lower(): hub for hub in HUB_MODELS}
+    if name.lower() not in known:
+        raise UserError(f"--plan: no config for model {name}: not a local directory, not in the hub cache, and not "
+                        "a hub name with a built-in shape (bpt.bench.models.HUB_MODELS); fetch just its config with "
+                        f"`hf download {name} config.json`, or pass a directory holding its config.json")
+    preset, overrides = HUB_MODELS[known[name.lower()]]
+    return (AutoConfig.for_model(**{**PRESETS[preset], **overrides}),
+            f"built-in shape {preset} (its config.json is not here nor in the hub cache)")
+
+
+def scaled(config, args, seq_len: int, notes: list | None = None):
+    """A copy of `config` with the RoPE scaling train.rope gives a run of `seq_len` tokens (its warnings in notes)."""
+    from train.rope import apply_rope_scaling
+
+    config = copy.deepcopy(config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_rope_scaling(config, seq_len, args.rope_scaling, args.rope_factor)
+    if notes is not None:
+        notes += [str(w.message) for w in caught]
+    return config
+
+
+def length_cap(config, args) -> tuple[int, str]:
+    """(longest --max_seq_len the run's flags let the model position, why)."""
+    original = getattr(config, "max_position_embeddings", None)
+    if original is None:
+        return max(SEARCH_CAP, args.max_seq_len), f"the search's cap of {SEARCH_CAP} tokens"
+    if args.rope_scaling is None:
+        return original, "the model's positions; --rope_scaling goes further"
+    if args.rope_factor is not None:
+        return int(original * args.rope_factor), f"--rope_factor {args.rope_factor:g}"
+    return max(SEARCH_CAP, args.max_seq_len), f"the search's cap of {SEARCH_CAP} tokens"
+
+
+# ---------------------------------------------------------------- the step's spec
+
+def adapter_layout(config, args) -> tuple[list | None, list | None]:
+    """(LoRA target modules, modules_to_save) as train.model builds them, found on a one-layer model on the meta
+    device (which also checks that the targets exist, as the run would)."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from train.model import lora_config
+
+    shallow = copy.deepcopy(config)
+    shallow.num_hidden_layers = 1
+    if getattr(shallow, "layer_types", None) is not None:
+        shallow.layer_types = list(shallow.layer_types)[:1]
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(shallow)
+        lora = lora_config(model, args)
+        try:
+            get_peft_model(model, lora)
+        except ValueError as error:
+            raise UserError(f"cannot apply LoRA with --lora_target_modules {' '.join(args.lora_target_modules)}: "
+                            f"{str(error).strip().splitlines()[0]}") from None
+    targets = None if args.lora_target_modules == ["all-linear"] else list(args.lora_target_modules)
+    return targets, lora.modules_to_save
+
+
+def step_spec(args, config, seq_len: int, adapters: tuple) -> dict:
+    """The worker spec of one step of this run with --max_seq_len `seq_len` (a rank's share of it)."""
+    from bpt.config import BPTConfig
+
+    blocks = {name: getattr(args, name) for name in ("q_block", "kv_block", "mlp_chunk", "loss_chunk")
+              if getattr(args, name) is not None}
+    values = scaled(config, args, seq_len).to_dict()
+    values.pop("quantization_config", None)  # --bits decides the quantisation, as in the run
+    values["use_cache"] = False
+    depth, layers = values["num_hidden_layers"], SHALLOW_LAYERS
+    if values.get("layer_types") is not None:  # a shallow build derives its own; fixed ones only fit the depth
+        from transformers import AutoConfig
+
+        derived = AutoConfig.for_model(**{k: v for k, v in values.items() if k != "layer_types"}).layer_types
+        if derived == values["layer_types"]:
+            del values["layer_types"]
+        else:
+            layers = depth  # a per-layer pattern of its own: every layer simulated
+    return {
+        "task": "simulate", "simulate": args.plan, "side": "patched" if args.bpt else "stock",
+        "seq_len": -(-seq_len // args.sequence_parallel), "model_config": values, "bits": args.bits,
+        "lora": True, "lora_r": args.lora_r, "lora_targets": adapters[0], "lora_dropout": args.lora_dropout,
+        "modules_to_save": adapters[1], "batch_size": args.per_device_train_batch_size,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "bpt": dataclasses.asdict(BPTConfig(**blocks, compile=False, eval_logits=False)),
+        "layers": layers if depth > layers else None,
+        "packed_documents": 2 if args.packing else 0, "top": 5, "malloc": "mmap", "threads": args.torch_threads,
+    }
+
+
+def simulate(spec: dict) -> dict:
+    from bpt.bench.workers import run_worker
+
+    row = run_worker(spec, WORKER_TIMEOUT_S)
+    if not row.get("ok"):
+        raise PlanFailed(f"the simulated step at {spec['seq_len']} tokens failed: {row.get('error')}")
+    return row
+
+
+def analytic_extras(args, config, trainable: int) -> list[tuple[str, int]]:
+    """(label, bytes) of what the run holds beside a single simulated step."""
+    per = OPTIMIZER_STATE_BYTES[args.optim]
+    extras = [(f"optimizer state: {args.optim}, {per} B x {trainable:,} trainable parameters", per * trainable)]
+    if args.gradient_accumulation_steps > 1:  # gradients live from the first micro-batch on (fp32: at most)
+        extras.append((f"gradients kept over --gradient_accumulation_steps {args.gradient_accumulation_steps}, at most",
+                       4 * trainable))
+    elif args.train_embeddings_and_norms and getattr(config, "tie_word_embeddings", False):
+        # The run ties the output head to the trained embedding copy (train.model.lora_config): its gradient
+        # is there from the loss on; the simulation keeps the head frozen.
+        element = 4 if args.bits < 16 else 2
+        extras.append(("gradient of the tied output head", element * config.vocab_size * config.hidden_size))
+    return extras
+
+
+# ---------------------------------------------------------------- the longest --max_seq_len that fits
+
+def longest_fitting_length(peak: Callable[[int], int], limit: int, cap: int, peaks: dict[int, int]) -> tuple:
+    """(longest length that fits, shortest probed that does not) over the lengths RESOLUTION, 2 RESOLUTION, ...
+    up to `cap`, and `cap` itself; (None, first) when not even the first fits, (cap, None) when the cap does.
+
+    `peaks` holds lengths already simulated (the run's own); `peak(n)` simulates another. The peak grows almost
+    linearly with the length, so each probe goes where the line through the two nearest known peaks crosses
+    `limit` (then the next length up or down confirms it): 2-3 probes instead of doubling then bisection, which
+    takes over after GUIDED_PROBES."""
+    def down(n):  # the longest candidate length <= n (0: none)
+        return cap if n >= cap else n // RESOLUTION * RESOLUTION
+
+    def up(n):  # the shortest candidate length >= n
+        return min(-(-n // RESOLUTION) * RESOLUTION, cap)
+
+    guided = 0
+    while True:
+        good = max([down(n) for n, p in peaks.items() if p <= limit], default=0)
+        bad = min([up(n) for n, p in peaks.items() if p > limit and n <= cap], default=None)
+        following = min(good + RESOLUTION, cap)
+        if good == cap or bad == following or (bad is not None and good >= bad):
+            return good or None, bad if good != cap else None
+        lo, hi = following, (bad - 1) // RESOLUTION * RESOLUTION if bad is not None else cap
+        guess = _crossing(peaks, limit) if guided < GUIDED_PROBES else None
+        if guess is not None:
+            n = down(int(guess))
+            guided += 1
+        elif len(peaks) == 1 and good >= 2 * RESOLUTION:  # a second, cheaper point for the line: half the length
+            n = down(good // 2)
+            peaks[n] = peak(n)
+            continue
+        elif bad is None:
+            n = 2 * good
+        else:
+            n = (good + bad) // 2
+        n = down(min(max(n, lo), hi))
+        peaks[n] = peak(n)
+
+
+def _crossing(peaks: dict[int, int], limit: int) -> float | None:
+    """Where the line through the two known peaks nearest `limit` (one each side where there are) reaches it."""
+    under = sorted(n for n, p in peaks.items() if p <= limit)
+    over = sorted(n for n, p in peaks.items() if p > limit)
+    pair = (under[-1:] + over[:1]) if under and over else (under[-2:] or over[:2])
+    if len(pair) < 2 or peaks[pair[0]] == peaks[pair[1]]:
+        return None
+    (a, b), (pa, pb) = pair, (peaks[pair[0]], peaks[pair[1]])
+    return a + (limit - pa) * (b - a) / (pb - pa)
+
+
+# ---------------------------------------------------------------- the plan
+
+def check_plannable(args, config) -> None:
+    """UserError for what the run itself would refuse, and for what the simulation does not model."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from train.model import check_bpt_support, check_packing
+    from train.parallel import check_layout
+
+    if args.bits == 8:
+        raise UserError("--plan simulates --bits 4 (NF4, as bitsandbytes stores it) and 16; 8-bit bases are not "
+                        "emulated")
+    if args.fsdp:
+        raise UserError("--plan does not model --fsdp sharding; plan without --fsdp for one device holding the whole "
+                        "model (an upper bound)")
+    if config.model_type not in CONFIG_MAPPING:
+        raise UserError(f"--plan cannot simulate {config.model_type} models: their code is not in transformers")
+    if args.bpt:
+        check_bpt_support(config)
+    check_packing(config, args.packing)
+    check_layout(args, world=args.sequence_parallel)
+
+
+def print_plan(args, echo: Callable[[str], None] = print) -> Planned:
+    """Simulate this run's step on args.plan, print the verdict (then the longest --max_seq_len); no weights."""
+    from bpt.gpusim.gpus import device
+
+    gpu = device(args.plan)
+    config, source = model_config(args.model_name_or_path, args.trust_remote_code)
+    check_plannable(args, config)
+    notes: list = []
+    scaled(config, args, args.max_seq_len, notes)  # the run's own RoPE checks and notes
+    adapters = adapter_layout(config, args)
+    started = time.perf_counter()
+    print(f"plan: simulating this run's training step on a simulated {gpu.name} (nothing is downloaded or "
+          "loaded) ...", file=sys.stderr, flush=True)
+    spec = step_spec(args, config, args.max_seq_len, adapters)
+    row = simulate(spec)
+    extras = analytic_extras(args, config, row["trainable_params"])
+    added = sum(b for _, b in extras)
+    result = Planned(gpu.name, source, spec, row, extras, row["peak_bytes"] + added, gpu.usable_bytes, notes=notes)
+    for line in format_verdict(args, result):
+        echo(line)
+    sys.stdout.flush()
+    print("plan: searching the longest --max_seq_len that fits (a few more simulated steps) ...", file=sys.stderr,
+          flush=True)
+    result.cap, why = length_cap(config, args)
+    peaks = {args.max_seq_len: row["peak_bytes"]}
+    result.longest, result.first_over = longest_fitting_length(
+        lambda n: simulate(step_spec(args, config, n, adapters))["peak_bytes"], gpu.usable_bytes - added,
+        result.cap, peaks)
+    for line in format_longest(args, result, why, len(peaks), time.perf_counter() - started):
+        echo(line)
+    return result
+
+
+# ---------------------------------------------------------------- what it prints
+
+def size(n: int) -> str:
+    if abs(n) >= 100 * MIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / MIB:.1f} MiB" if abs(n) >= MIB else f"{n / 1024:.1f} KiB"
+
+
+def format_verdict(args, p: Planned) -> list[str]:
+    from bpt.gpusim.gpus import RESERVE_BYTES, device
+
+    row, gpu = p.row, device(p.device)
+    what = f"{args.bits}-bit QLoRA" if args.bits < 16 else "16-bit LoRA"
+    what += f" r {args.lora_r}" + (" + embeddings and norms" if args.train_embeddings_and_norms else "")
+    what += ", BPT patch" if args.bpt else ", no BPT patch"
+    what += ", checkpointing" if args.gradient_checkpointing else ", no checkpointing"
+    rope = p.spec["model_config"].get("rope_parameters") or {}
+    if args.rope_scaling and rope.get("rope_type") == args.rope_scaling:
+        what += f", RoPE {args.rope_scaling} x{rope['factor']:g}"
+    tokens = f"{args.per_device_train_batch_size} x {p.spec['seq_len']} tokens per device"
+    if args.sequence_parallel > 1:
+        tokens += f" (--max_seq_len {args.max_seq_len} split {args.sequence_parallel} ways, {args.sp_mode})"
+    depth = (f"{row['layers']} and {row['layers'] + 1} of {row['depth']} layers run, extrapolated"
+             if row["extrapolated"] else f"all {row['depth']} layers run")
+    spare = p.usable_bytes - p.peak_bytes
+    verdict = (f"FITS, {size(spare)} to spare" if spare >= 0 else f"DOES NOT FIT, {size(-spare)} over")
+    lines = [
+        f"--plan {p.device}: simulated, not measured; no weights loaded, no training",
+        f"  model    {args.model_name_or_path}: {p.source}",
+        f"  run      {what}; {tokens}; {row['trainable_params']:,} trainable parameters",
+        f"  peak     {size(p.peak_bytes)} per device",
+        f"    {size(row['peak_bytes']):>10}  one forward + backward, simulated ({depth}): weights, activations, "
+        "trainable gradients",
+        *(f"    {size(b):>10}  {label}, analytic" for label, b in p.extras),
+        f"  usable   {size(p.usable_bytes)} = {size(gpu.memory_bytes)} less a {size(RESERVE_BYTES)} reserve for the "
+        "CUDA context, workspaces and fragmentation (uncalibrated)",
+        f"  verdict  {verdict} (simulated)",
+        "  largest tensors live at the peak (simulated" + (f", {row['layers']}-layer step):" if row["extrapolated"]
+                                                         else "):"),
+    ]
+    for holder in row["peak_holders"][:5]:
+        made = "held before the step (weights, inputs)" if holder["op"] == "before" else f"made by {holder['op']}"
+        lines.append(f"    {size(holder['bytes']):>10}  {holder['dtype']} {list(holder['shape'])}  {made}")
+    if args.mixed_precision == "no":
+        lines.append("  note     simulated with bf16 autocast (the GPU default), not --mixed_precision no")
+    lines += [f"  note     {note}" for note in p.notes]
+    return lines
+
+
+def format_longest(args, p: Planned, why: str, probes: int, seconds: float) -> list[str]:
+    if p.longest is None:
+        found = f"none fits, not even {p.first_over} tokens"
+    elif p.first_over is None:
+        found = f"{p.longest} fits, the longest allowed ({why})"
+    else:
+        found = f"{p.longest} fits, {p.first_over} does not (searched to {RESOLUTION} tokens)"
+    how = f"{p.row['layers']}-layer extrapolation" if p.row["extrapolated"] else "all layers run"
+    steps = f"{probes} step{'s' if probes > 1 else ''}"
+    return [f"  longest  --max_seq_len {found}; simulated, {how}, {steps} in {seconds:.0f} s",
+            "  not counted: ring/Ulysses communication buffers, DDP gradient buckets; no training was run"]
