@@ -109,15 +109,28 @@ def resolve_model_config(spec: str, longest: int) -> dict:
     return config
 
 
+def model_from_config(config, dtype: torch.dtype):
+    """The causal LM of `config` with stock attention through SDPA, or eager for families that refuse SDPA (gemma2:
+    its attention softcap), as from_pretrained would pick."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    except ValueError as error:
+        if "scaled_dot_product_attention" not in str(error):
+            raise
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+
+
 def build_model(spec: dict):
     """Stock model from the spec's config (seeded, so both sides get the same weights), ready to train."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.for_model(**spec["model_config"])
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
     torch.manual_seed(spec["seed"])
     with torch.device(spec["device"]):  # build in place: an 8B model is never materialized on the host
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        model = model_from_config(config, dtype)
     model.train()
     if spec["gradient_checkpointing"]:
         # transformers renamed it (the old name warns); accept both for transformers >= 5.0

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from bpt.bench.models import model_from_config
 from bpt.gpusim.gpus import device as simulated_device
 
 WEIGHT_DTYPES = {32: torch.float32, 16: torch.bfloat16}
@@ -63,15 +64,16 @@ def counting_blockwise_calls(paths):
 
 def build_simulated_model(spec: dict, layers: int):
     """(model on meta, patch handle or None) for the spec with `layers` decoder layers."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    config = AutoConfig.for_model(**{**spec["model_config"], "num_hidden_layers": layers})
-    if hasattr(config, "layer_types") and config.layer_types is not None:  # per-layer lists follow the depth
-        config.layer_types = list(config.layer_types)[:layers]
+    values = {**spec["model_config"], "num_hidden_layers": layers}
+    if values.get("layer_types") is not None:  # per-layer lists follow the depth (the config checks their length)
+        values["layer_types"] = list(values["layer_types"])[:layers]
+    config = AutoConfig.for_model(**values)
     bits = spec["bits"]
+    dtype = WEIGHT_DTYPES.get(bits, torch.bfloat16)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                 dtype=WEIGHT_DTYPES.get(bits, torch.bfloat16))
+        model = model_from_config(config, dtype)
     model.config.use_cache = False
     model.train()
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
