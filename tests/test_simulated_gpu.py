@@ -23,6 +23,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCKS = asdict(BPTConfig(q_block=64, kv_block=64, mlp_chunk=64, loss_chunk=64))
 
 
+@pytest.fixture(scope="module")
+def shim_library():
+    """The built shim, or a skip naming why it cannot be built here (no C++ compiler: the README says g++)."""
+    try:
+        return shim.library()
+    except shim.ShimError as error:
+        pytest.skip(f"the simulated GPU cannot be set up here: {error}")
+
+
 def _spec(**overrides) -> dict:
     spec = dict(simulate="cpu", side="patched", seq_len=300, model_config=resolve_model_config("tiny", 300), bits=32,
                 lora=False, lora_r=4, batch_size=2, gradient_checkpointing=True, bpt=BLOCKS)
@@ -95,7 +104,7 @@ def test_simulated_cuda_needs_the_shim_in_the_process():
             pass
 
 
-def test_a_process_booted_with_the_shim_runs_fake_cuda_backward():
+def test_a_process_booted_with_the_shim_runs_fake_cuda_backward(shim_library):
     code = ("import torch; from bpt.gpusim.shim import active; from bpt.gpusim.device import simulate; "
             "from bpt.gpusim.gpus import device\n"
             "with simulate(device('a100-40gb')) as sim:\n"
@@ -117,7 +126,7 @@ def test_a_process_booted_with_the_shim_runs_fake_cuda_backward():
     assert out.stdout.split() == ["True", "torch.bfloat16", "cuda:0", "torch.float32"]
 
 
-def test_bench_simulate_rows_on_a_simulated_h100(tmp_path, capsys):
+def test_bench_simulate_rows_on_a_simulated_h100(tmp_path, capsys, shim_library):
     """Real workers (shim-booted processes): every row is labelled simulated, the patched side's step at 8K
     tokens holds no N x V logits, plain causal attention takes the flash kernel on both sides."""
     output = tmp_path / "sim.json"
