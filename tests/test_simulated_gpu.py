@@ -55,7 +55,7 @@ def test_depth_extrapolation_equals_the_full_depth():
     full = run_simulation(_spec(model_config=config))
     extrapolated = run_simulation(_spec(model_config=config, layers=1))
     assert not full["extrapolated"] and extrapolated["extrapolated"] and extrapolated["layers"] == 1
-    for key in ("peak_bytes", "before_bytes", "step_bytes", "weight_bytes"):
+    for key in ("peak_bytes", "before_bytes", "step_bytes", "weight_bytes", "ops", "flops_by_dtype"):
         assert extrapolated[key] == full[key], key
 
 

@@ -2,7 +2,8 @@
 
 - `run_simulation(spec)`: the worker task (a process started with the gpusim shim for CUDA devices): builds the
   model on meta, materialises fake weights on the device, runs forward + backward under the tracker; with
-  spec["extrapolate_to"] it runs depths L and L+1 and extends the (exactly linear) peak to the model's depth
+  spec["layers"] below the depth it runs depths L and L+1 and extends the (exactly linear) bytes, FLOPs and op
+  count to the model's depth (the largest holders and attention paths stay those of the L-layer step)
 - `build_simulated_model`: the model of a spec, as the recipe builds it (4-bit base with the other weights in
   fp32 as peft's prepare_model_for_kbit_training leaves them, or 16-bit; LoRA; the patch)
 - `transformers_sees_real_tensors`: transformers takes fake tensors for compile tracing and then builds an
@@ -188,6 +189,9 @@ def run_simulation(spec: dict) -> dict:
         for key in ("peak_bytes", "before_bytes", "weight_bytes"):
             row[key] = step[key] + (more[key] - step[key]) * (depth - layers)
         row["step_bytes"] = row["peak_bytes"] - row["before_bytes"]
+        row["ops"] = step["ops"] + (more["ops"] - step["ops"]) * (depth - layers)
+        row["flops_by_dtype"] = {dtype: flops + (more["flops_by_dtype"].get(dtype, 0) - flops) * (depth - layers)
+                                 for dtype, flops in step["flops_by_dtype"].items()}
         row["bytes_per_layer"] = per_layer
         row["seconds"] += more["seconds"]
     tokens = spec["batch_size"] * spec["seq_len"]
