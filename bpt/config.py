@@ -12,6 +12,7 @@ class BPTConfig:
     q_block / kv_block: query and key/value block of blockwise attention.
     mlp_chunk: tokens of one sequence chunk run through the whole MLP at a time.
     loss_chunk: tokens whose logits exist at one time in the LM head + cross entropy.
+    norm_chunk: tokens whose norm temporaries (fp32 copies, statistics) exist at one time in a norm's backward.
     compile: torch.compile the per-block functions; None means "where it was measured
         to help" (CUDA tensors), True forces it, False turns it off.
     eval_logits: with labels in eval mode (`model.eval()`), also return the full logits, as stock
@@ -23,11 +24,12 @@ class BPTConfig:
     kv_block: int = 1024
     mlp_chunk: int = 2048
     loss_chunk: int = 1024
+    norm_chunk: int = 2048
     compile: bool | None = None
     eval_logits: bool = True
 
     def __post_init__(self):
-        for field in ("q_block", "kv_block", "mlp_chunk", "loss_chunk"):
+        for field in ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "norm_chunk"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"BPT option {field} must be a positive integer number of tokens, got {value!r}")

@@ -32,6 +32,7 @@ from patches.bound_attention import BINDERS
 from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
 from patches.lm_head import causal_lm_forward
 from patches.masks import bpt_mask
+from patches.norms import lean_norm_forward, per_token_norm_dims
 from patches.own_attention import attention_weights_forward, config_view
 
 _HANDLE_ATTR = "_bpt_patch_handle"
@@ -129,7 +130,7 @@ def apply_bpt_patch(model=None, **options) -> BPTPatchHandle:
     """Patch `model` (a transformers causal LM, plain, peft-wrapped or quantised) in place, or, with no
     model, every supported causal LM loaded afterwards through `from_pretrained` / `from_config`.
 
-    Options: q_block, kv_block, mlp_chunk, loss_chunk (tokens), compile (None = auto). With labels
+    Options: q_block, kv_block, mlp_chunk, loss_chunk, norm_chunk (tokens), compile (None = auto). With labels
     the patched model returns the loss and `logits=None`: full logits are never materialised.
 
     Calling it again on the same target returns the same handle (re-patched if the options differ);
@@ -187,6 +188,8 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     if patched_attention == 0:  # a hybrid row whose attention attribute is wrong would otherwise patch nothing
         raise UnsupportedModelError(f"no decoder layer of this {hf_model.config.model_type!r} model has attention at "
                                     f"layer.{family.attention}: nothing to patch (is its row in FAMILIES right?)")
+    if family.lean_norms:
+        _patch_norms(hf_model, config, handle)
     # The attention implementation is the model's own: the config object may be shared with other models.
     shared, view = hf_model.config, config_view(hf_model.config, ATTN_IMPLEMENTATION)
     for module in hf_model.modules():
@@ -223,6 +226,18 @@ def _chunked_mlp_forward(module, original, chunk: int):
         return (out, *extra) if extra else out
 
     return forward
+
+
+def _patch_norms(hf_model, config: BPTConfig, handle: BPTPatchHandle):
+    """Bind a lean forward (input saved, backward recomputed per chunk) on every per-token norm instance,
+    peft's modules_to_save copies included (their wrapper calls the inner norm, which is wrapped)."""
+    text_config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
+    hidden = getattr(text_config, "hidden_size", None)
+    for module in hf_model.modules():
+        norm_dims = per_token_norm_dims(module)
+        if norm_dims is not None:
+            handle.set(module, "forward", lean_norm_forward(module, module.forward, norm_dims, config.norm_chunk,
+                                                            hidden if isinstance(hidden, int) else None))
 
 
 class _Loaders:

@@ -34,6 +34,10 @@ class Family:
     # that carry state across: the hybrids). The patch equals stock either way; train.qlora refuses to pack these
     # (--no_packing). tests/test_packing.py checks every row against stock's behaviour.
     packing: bool = True
+    # Per-token norms (RMSNorm, LayerNorm, q-k norms) run through bpt.norm.lean_norm: input saved, the fp32
+    # temporaries recomputed one chunk at a time in backward (patches/norms.py says which modules count).
+    # False leaves a family's norms stock.
+    lean_norms: bool = True
 
     def attention_of(self, layer):
         """The decoder layer's attention module; None for a hybrid row's recurrent layer (no attention attribute,

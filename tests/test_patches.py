@@ -12,7 +12,7 @@ from patches.masks import BlockMaskInputs
 from tiny_models import TINY_CONFIGS, VOCAB, tiny_config, tiny_model
 
 # Small blocks so that every op really runs blockwise on a 45-token sequence.
-SMALL_BLOCKS = dict(q_block=16, kv_block=16, mlp_chunk=16, loss_chunk=16)
+SMALL_BLOCKS = dict(q_block=16, kv_block=16, mlp_chunk=16, loss_chunk=16, norm_chunk=16)
 LENGTH = 45
 
 

@@ -1,0 +1,92 @@
+"""Lean norm: a per-token norm that saves only its input and recomputes in backward, chunk by chunk.
+
+A stock RMSNorm / LayerNorm written in Python (x.to(float32), pow, mean, rsqrt, the normalised product, the
+weight product) leaves several fp32 tensors of the input's full size in the autograd graph. `lean_norm` runs
+the norm's own forward on the whole input under no_grad (the output is bitwise stock's), saves the input alone
+(the same storage, no copy: when the caller also saves it, e.g. a residual add or a checkpoint, nothing is
+added), and in backward recomputes the forward on one chunk of rows at a time with grad enabled, so those
+temporaries exist for one chunk only.
+
+Valid only for per-token norms: each output row depends on its own input row alone (RMSNorm, LayerNorm over
+the trailing dims). A norm that mixes rows (GroupNorm over channels x tokens, BatchNorm) must not be wrapped.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from bpt.mlp import _autocast_replayed, _autocast_state, _check_no_hidden_leaves, isolated_saved_tensors
+
+
+def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor, *, rows: int,
+              norm_dims: int = 1) -> torch.Tensor:
+    """Return `forward(x)`, keeping only `x` for backward.
+
+    forward: the norm module's own forward (a bound method), mapping [..., *D] to [..., *D'] row by row.
+    params: the module's parameters; only those with requires_grad get gradients (accumulated across chunks in
+        fp32 and cast to the parameter's dtype once).
+    x: [..., *D], D the `norm_dims` trailing dims the norm normalises over.
+    rows: rows of x viewed as [R, *D] recomputed at a time in backward.
+
+    With grad disabled (inference, torch.compile full-graph) or nothing requiring grad, this is `forward(x)`.
+    """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
+        raise ValueError(f"lean_norm: rows must be a positive integer, got {rows!r}")
+    if isinstance(norm_dims, bool) or not isinstance(norm_dims, int) or not 1 <= norm_dims <= x.dim():
+        raise ValueError(f"lean_norm: norm_dims must be in 1..{x.dim()} for an input of shape {tuple(x.shape)}, "
+                         f"got {norm_dims!r}")
+    trainable = [p for p in params if p.requires_grad]
+    if not torch.is_grad_enabled() or not (x.requires_grad or trainable):
+        return forward(x)
+    return _LeanNorm.apply(forward, rows, norm_dims, x, *trainable)
+
+
+def _checked(y, x: torch.Tensor, norm_dims: int) -> torch.Tensor:
+    if not isinstance(y, torch.Tensor) or y.shape[:x.dim() - norm_dims] != x.shape[:x.dim() - norm_dims]:
+        raise ValueError(f"lean_norm: forward must return one tensor with the input's leading dims "
+                         f"{tuple(x.shape[:x.dim() - norm_dims])}, got "
+                         f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
+    return y
+
+
+class _LeanNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, forward, rows, norm_dims, x, *params):
+        ctx.forward, ctx.rows, ctx.norm_dims = forward, rows, norm_dims
+        ctx.autocast = _autocast_state([x])
+        ctx.save_for_backward(x)  # the input only: shared storage with whoever else holds it
+        ctx.params = params  # the module's own tensors, alive anyway: references, not saved tensors
+        return _checked(forward(x), x, norm_dims)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        params, norm_dims = ctx.params, ctx.norm_dims
+        lead = x.shape[:x.dim() - norm_dims]
+        flat_x = x.reshape(-1, *x.shape[x.dim() - norm_dims:])  # [R, *D]: a view for a contiguous input
+        flat_g = grad_out.reshape(flat_x.shape[0], *grad_out.shape[len(lead):])  # [R, *D']
+        want_x = ctx.needs_input_grad[3]
+        grad_x = torch.empty_like(flat_x) if want_x else None  # [R, *D]
+        param_grads = [None] * len(params)  # fp32 accumulators
+        with _autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
+            for start in range(0, flat_x.shape[0], ctx.rows):
+                end = min(start + ctx.rows, flat_x.shape[0])
+                leaf = flat_x[start:end].detach().requires_grad_(want_x)  # [r, *D]
+                y = ctx.forward(leaf)  # [r, *D']
+                targets = ([leaf] if want_x else []) + list(params)
+                if start == 0:
+                    _check_no_hidden_leaves(y, targets)
+                grads = iter(torch.autograd.grad(y, targets, flat_g[start:end], allow_unused=True))
+                if want_x:
+                    g = next(grads)
+                    grad_x[start:end] = 0 if g is None else g
+                for j, g in enumerate(grads):
+                    if g is None:
+                        continue
+                    if param_grads[j] is None:
+                        param_grads[j] = torch.zeros_like(params[j], dtype=torch.promote_types(params[j].dtype, torch.float32))
+                    param_grads[j].add_(g)
+                del y, leaf
+        param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(param_grads, params)]
+        return (None, None, None, None if grad_x is None else grad_x.view(x.shape), *param_grads)
