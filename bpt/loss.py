@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bpt.compile import compilable, should_compile
-from bpt.mlp import isolated_saved_tensors
+from bpt.recompute import isolated_saved_tensors
 
 
 def chunked_lm_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor | None, *, chunk: int,

@@ -21,6 +21,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from bpt.recompute import autocast_replayed, autocast_state, check_no_hidden_leaves, isolated_saved_tensors
+
 
 def chunked_mlp(forward: Callable, params: Sequence[torch.Tensor], *inputs: torch.Tensor,
                 chunk: int) -> torch.Tensor:
@@ -116,47 +118,6 @@ class _RngSnapshot:
             yield
 
 
-def _autocast_state(tensors: Sequence[torch.Tensor]) -> list[tuple[str, bool, torch.dtype]]:
-    """Autocast (enabled, dtype) per device type in use, to replay the forward's precision in backward
-    (backward may run on another thread, or outside the caller's autocast region)."""
-    device_types = {"cpu"} | {t.device.type for t in tensors if t.device.type != "meta"}
-    return [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in sorted(device_types)]
-
-
-@contextlib.contextmanager
-def _autocast_replayed(state: list[tuple[str, bool, torch.dtype]]):
-    with contextlib.ExitStack() as stack:
-        for device_type, enabled, dtype in state:
-            stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled))
-        yield
-
-
-def isolated_saved_tensors():
-    """Keep the tensors saved by a transient inner graph away from the caller's saved-tensor hooks
-    (activation checkpointing would try to recompute them, CPU offload would copy them).
-    Only the innermost hooks apply; detach() in pack avoids a reference cycle through grad_fn."""
-    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t)
-
-
-def _check_no_hidden_leaves(y: torch.Tensor, known: Sequence[torch.Tensor]):
-    """Fail loudly if forward used a trainable tensor that was not passed in `params`: it would
-    otherwise silently get no gradient (the forward pass ran under no_grad)."""
-    # Leaves are matched by their gradient accumulator node: saved-tensor hooks (checkpoint, offload)
-    # hand back other Python objects for the same parameter.
-    known_nodes = {torch.autograd.graph.get_gradient_edge(t).node for t in known}
-    stack, seen = [y.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        leaf = getattr(node, "variable", None)  # only AccumulateGrad nodes hold a leaf tensor
-        if leaf is not None and node not in known_nodes:
-            raise RuntimeError(f"chunked_mlp: forward uses a trainable tensor of shape {tuple(leaf.shape)} that "
-                               "was not passed in params; pass every parameter forward uses")
-        stack.extend(next_node for next_node, _ in node.next_functions)
-
-
 class _SaveInputs(torch.autograd.Function):
     """Identity on the chunked MLP's inputs that saves them, so that they are saved (and recomputed by a
     checkpoint) before the chunked forward runs. Its outputs are views: _run_chunks copies each chunk."""
@@ -177,7 +138,7 @@ class _ChunkedMLP(torch.autograd.Function):
         inputs, params = tensors[:n_inputs], tensors[n_inputs:]
         ctx.forward, ctx.chunk, ctx.n_inputs, ctx.saver = forward, chunk, n_inputs, saver
         ctx.rng = _RngSnapshot(inputs)
-        ctx.autocast = _autocast_state(inputs)
+        ctx.autocast = autocast_state(inputs)
         # inputs [B, N, ...] are saved by the `saver` node when there is one. The parameters are the
         # module's own tensors, alive anyway: kept as plain references, they add no saved tensor after
         # the chunked forward (which would make a checkpoint's recompute run it again).
@@ -191,14 +152,14 @@ class _ChunkedMLP(torch.autograd.Function):
         wants = ctx.needs_input_grad[4:4 + ctx.n_inputs]
         input_grads = [torch.empty_like(x) if want else None for x, want in zip(inputs, wants)]  # [B, N, ...]
         param_grads = [None] * len(params)
-        with ctx.rng.replayed(), _autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
+        with ctx.rng.replayed(), autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
             for start, end in _spans(inputs[0].shape[1], ctx.chunk):
                 leaves = [x[:, start:end].detach().requires_grad_(want) for x, want in zip(inputs, wants)]
                 # clone: a non-leaf the forward may modify in place, with gradients flowing to the leaf
                 y = ctx.forward(*[leaf.clone() for leaf in leaves])  # [B, n, ...]
                 targets = [leaf for leaf in leaves if leaf.requires_grad] + list(params)
                 if start == 0:
-                    _check_no_hidden_leaves(y, targets)
+                    check_no_hidden_leaves(y, targets, "chunked_mlp")
                 grads = torch.autograd.grad(y, targets, grad_out[:, start:end], allow_unused=True)
                 grads = iter(grads)
                 for i, leaf in enumerate(leaves):

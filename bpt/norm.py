@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from bpt.mlp import _autocast_replayed, _autocast_state, _check_no_hidden_leaves, isolated_saved_tensors
+from bpt.recompute import autocast_replayed, autocast_state, check_no_hidden_leaves, isolated_saved_tensors
 
 
 def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor, *, rows: int,
@@ -54,7 +54,7 @@ class _LeanNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, forward, rows, norm_dims, x, *params):
         ctx.forward, ctx.rows, ctx.norm_dims = forward, rows, norm_dims
-        ctx.autocast = _autocast_state([x])
+        ctx.autocast = autocast_state([x])
         ctx.save_for_backward(x)  # the input only: shared storage with whoever else holds it
         ctx.params = params  # the module's own tensors, alive anyway: references, not saved tensors
         return _checked(forward(x), x, norm_dims)
@@ -69,14 +69,14 @@ class _LeanNorm(torch.autograd.Function):
         want_x = ctx.needs_input_grad[3]
         grad_x = torch.empty_like(flat_x) if want_x else None  # [R, *D]
         param_grads = [None] * len(params)  # fp32 accumulators
-        with _autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
+        with autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
             for start in range(0, flat_x.shape[0], ctx.rows):
                 end = min(start + ctx.rows, flat_x.shape[0])
                 leaf = flat_x[start:end].detach().requires_grad_(want_x)  # [r, *D]
                 y = ctx.forward(leaf)  # [r, *D']
                 targets = ([leaf] if want_x else []) + list(params)
                 if start == 0:
-                    _check_no_hidden_leaves(y, targets)
+                    check_no_hidden_leaves(y, targets, "lean_norm")
                 grads = iter(torch.autograd.grad(y, targets, flat_g[start:end], allow_unused=True))
                 if want_x:
                     g = next(grads)

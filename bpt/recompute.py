@@ -1,0 +1,50 @@
+"""What every recompute-in-backward op here shares (bpt.mlp's chunked MLP, bpt.norm's lean norm, bpt.loss):
+replaying the forward's autocast state, keeping an inner graph's saved tensors away from the caller's hooks, and
+failing loudly when the recomputed forward used a trainable tensor it was not given."""
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+
+
+def autocast_state(tensors: Sequence[torch.Tensor]) -> list[tuple[str, bool, torch.dtype]]:
+    """Autocast (enabled, dtype) per device type in use, to replay the forward's precision in backward
+    (backward may run on another thread, or outside the caller's autocast region)."""
+    device_types = {"cpu"} | {t.device.type for t in tensors if t.device.type != "meta"}
+    return [(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in sorted(device_types)]
+
+
+@contextlib.contextmanager
+def autocast_replayed(state: list[tuple[str, bool, torch.dtype]]):
+    with contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in state:
+            stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled))
+        yield
+
+
+def isolated_saved_tensors():
+    """Keep the tensors saved by a transient inner graph away from the caller's saved-tensor hooks
+    (activation checkpointing would try to recompute them, CPU offload would copy them).
+    Only the innermost hooks apply; detach() in pack avoids a reference cycle through grad_fn."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t)
+
+
+def check_no_hidden_leaves(y: torch.Tensor, known: Sequence[torch.Tensor], caller: str):
+    """Fail loudly if forward used a trainable tensor that was not passed in `params`: it would
+    otherwise silently get no gradient (the forward pass ran under no_grad)."""
+    # Leaves are matched by their gradient accumulator node: saved-tensor hooks (checkpoint, offload)
+    # hand back other Python objects for the same parameter.
+    known_nodes = {torch.autograd.graph.get_gradient_edge(t).node for t in known}
+    stack, seen = [y.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # only AccumulateGrad nodes hold a leaf tensor
+        if leaf is not None and node not in known_nodes:
+            raise RuntimeError(f"{caller}: forward uses a trainable tensor of shape {tuple(leaf.shape)} that "
+                               "was not passed in params; pass every parameter forward uses")
+        stack.extend(next_node for next_node, _ in node.next_functions)
