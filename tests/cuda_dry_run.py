@@ -36,6 +36,8 @@ from collections import Counter
 
 import torch
 
+from bpt.bench.simulate import transformers_sees_real_tensors
+
 N = 4096  # tokens: above every block / chunk size below
 Q_BLOCK, KV_BLOCK, CHUNK = 512, 1024, 1024  # kernels: query and key blocks of different sizes
 MODEL_BLOCKS = dict(q_block=1024, kv_block=1024, mlp_chunk=CHUNK, loss_chunk=CHUNK)  # models: half the block steps
@@ -106,20 +108,6 @@ def counting_paths(paths: Counter):
         yield
     finally:
         attention._blockwise, ring._RingAttention = blockwise, ring_function
-
-
-@contextlib.contextmanager
-def transformers_sees_real_tensors():
-    """transformers treats fake tensors as torch.compile tracing and then builds an O(N^2) packed-sequence mask that no
-    GPU run builds; inside this block it sees them as the real tensors they stand for."""
-    from transformers.utils import import_utils
-
-    saved = import_utils.is_fake_tensor
-    import_utils.is_fake_tensor = lambda tensor: False
-    try:
-        yield
-    finally:
-        import_utils.is_fake_tensor = saved
 
 
 def no_host_reads(enabled: bool = True):
@@ -314,6 +302,20 @@ def run_attention(gpu_name: str, mode: str, expected_path: str, *, names=(), hq=
     return facts
 
 
+def judged_against_stock(problems: list, facts: dict, value: tuple[str, str], kind: str, who: str) -> dict:
+    """The verdict of an op case: its value (label, key: facts[key] vs facts["stock_" + key]) and every gradient equal
+    to stock's in shape, dtype and device, no `kind` output on our side, and stock's own `kind` output seen."""
+    label, key = value
+    compare(problems, label, facts[key], facts[f"stock_{key}"])
+    for name, want in facts["stock_grads"].items():
+        compare(problems, f"grad of {name}", facts["grads"][name], want)
+    if facts["wide"]:
+        problems.append(f"{kind} outputs: {facts['wide'][:5]}")
+    expect_wide(problems, facts["stock_wide"], kind, who)
+    facts["problems"] = problems
+    return facts
+
+
 def expect_wide(problems: list, wide: list, kind: str, who: str) -> None:
     """Stock's own O(N^2) / O(N x V) tensor must show up in the probe: else the probe is blind and proves nothing."""
     if not any(w.endswith(f"({kind})") for w in wide):
@@ -459,14 +461,7 @@ def run_mlp(kind: str, mode: str, dropout: float = 0.0) -> dict:
                      wide=wide_outputs(probe.output_shapes, widths), stock_wide=wide_outputs(stock_probe.output_shapes,
                                                                                              widths),
                      peak_bytes=probe.peak, stock_peak_bytes=stock_probe.peak, oracle=dict(sim.oracle.answers))
-    compare(problems, "output", facts["out"], facts["stock_out"])
-    for name in stock_grads:
-        compare(problems, f"grad of {name}", grads[name], stock_grads[name])
-    if facts["wide"]:
-        problems.append(f"N x I outputs: {facts['wide'][:5]}")
-    expect_wide(problems, facts["stock_wide"], "N x I", "the stock MLP")
-    facts["problems"] = problems
-    return facts
+    return judged_against_stock(problems, facts, ("output", "out"), "N x I", "the stock MLP")
 
 
 def run_loss(mode: str, **options) -> dict:
@@ -511,14 +506,7 @@ def run_loss(mode: str, **options) -> dict:
                      wide=wide_outputs(probe.output_shapes, widths),
                      stock_wide=wide_outputs(stock_probe.output_shapes, widths),
                      peak_bytes=probe.peak, stock_peak_bytes=stock_probe.peak, oracle=dict(sim.oracle.answers))
-    compare(problems, "loss", facts["loss"], facts["stock_loss"])
-    for name in stock_grads:
-        compare(problems, f"grad of {name}", grads[name], stock_grads[name])
-    if facts["wide"]:
-        problems.append(f"N x V outputs: {facts['wide'][:5]}")
-    expect_wide(problems, facts["stock_wide"], "N x V", "the stock head + loss")
-    facts["problems"] = problems
-    return facts
+    return judged_against_stock(problems, facts, ("loss", "loss"), "N x V", "the stock head + loss")
 
 
 for _mode in TRAINING_MODES:

@@ -35,6 +35,8 @@ WEIGHT_DTYPES = {32: torch.float32, 16: torch.bfloat16}
 
 @contextlib.contextmanager
 def transformers_sees_real_tensors():
+    """transformers treats fake tensors as torch.compile tracing and then builds an O(N^2) packed-sequence mask that no
+    GPU run builds; inside this block it sees them as the real tensors they stand for."""
     from transformers.utils import import_utils
 
     saved = import_utils.is_fake_tensor
