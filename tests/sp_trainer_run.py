@@ -78,6 +78,9 @@ def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") 
         from bpt.sequence_parallel import traffic
 
         torch.save({"losses": losses, "lora": lora, "bytes_sent": traffic.total()}, os.path.join(out, "result.pt"))
+    if torch.distributed.is_initialized():  # leave together: a rank whose gloo groups die at interpreter exit aborts
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
