@@ -31,6 +31,7 @@ from patches.attention import (ATTN_IMPLEMENTATION, CONFIG_ATTR, EMPTY_ROWS_ATTR
 from patches.bound_attention import BINDERS
 from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
 from patches.lm_head import causal_lm_forward
+from patches.lora_inputs import input_cast_skipping_round_trips, is_lora_layer
 from patches.masks import bpt_mask
 from patches.norms import lean_norm_forward, per_token_norm_dims
 from patches.own_attention import attention_weights_forward, config_view
@@ -190,6 +191,9 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
                                     f"layer.{family.attention}: nothing to patch (is its row in FAMILIES right?)")
     if family.lean_norms:
         _patch_norms(hf_model, config, handle)
+    for module in hf_model.modules():  # present when the patch is applied after get_peft_model, as the recipe does
+        if is_lora_layer(module):
+            handle.set(module, "_cast_input_dtype", input_cast_skipping_round_trips(module, module._cast_input_dtype))
     # The attention implementation is the model's own: the config object may be shared with other models.
     shared, view = hf_model.config, config_view(hf_model.config, ATTN_IMPLEMENTATION)
     for module in hf_model.modules():

@@ -579,8 +579,10 @@ def build_model(family: str, mode: str, *, side: str, bits: int, lora: bool, che
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
-                                                 task_type="CAUSAL_LM"))
+        from bpt.gpusim.quant4 import lora_like_bitsandbytes
+
+        model = get_peft_model(model, lora_like_bitsandbytes(LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")))
     if side == "patched":
         from patches import apply_bpt_patch
 

@@ -1,6 +1,6 @@
 """Model side of the recipe: config checks, RoPE scaling, tokenizer, and the load order
 
-    base (4-bit NF4 / 8-bit / 16-bit) -> prepare_model_for_kbit_training -> LoRA -> apply_bpt_patch
+    base (4-bit NF4 / 8-bit / 16-bit) -> patches.kbit.prepare_kbit_model -> LoRA -> apply_bpt_patch
 
 Cheap checks (`load_config`, `check_weight_files`, `check_bpt_support`, `load_tokenizer`; RoPE: train.rope) run
 before any weights are read, so user mistakes fail in a second.
@@ -192,7 +192,9 @@ def _quiet_checkpointing_renames():
 
 def build_model(args, config, device: torch.device):
     """(peft model ready to train, BPT handle or None), in the order the recipe requires."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model
+
+    from patches.kbit import prepare_kbit_model
 
     model = load_base(args.model_name_or_path, config, bits=args.bits, device=device,
                       trust_remote_code=args.trust_remote_code, shardable=args.fsdp)
@@ -200,7 +202,7 @@ def build_model(args, config, device: torch.device):
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     with _quiet_checkpointing_renames():
         if args.bits < 16:
-            model = prepare_model_for_kbit_training(
+            model = prepare_kbit_model(
                 model, use_gradient_checkpointing=args.gradient_checkpointing, **checkpointing)
         elif args.gradient_checkpointing:
             model.gradient_checkpointing_enable(**checkpointing)

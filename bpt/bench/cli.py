@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run every step on this simulated device instead of measuring this machine; 'cpu' = fake "
                           "CPU tensors, to hold against a real CPU run (default: off)")
     sim.add_argument("--bits", type=int, choices=(4, 16, 32), default=16,
-                     help="with --simulate on a GPU: base weights as bitsandbytes NF4 (4; other weights fp32, as "
-                          "peft's prepare_model_for_kbit_training leaves them), bf16 (16) or fp32 (32); bf16 autocast")
+                     help="with --simulate on a GPU: base weights as bitsandbytes NF4 (4; the other weights bf16, "
+                          "as patches.kbit.prepare_kbit_model leaves them), bf16 (16) or fp32 (32); bf16 autocast")
     sim.add_argument("--lora_targets", type=lambda s: [t for t in s.split(",") if t], default=None,
                      help="with --lora: comma-separated module names to adapt (default: every linear layer)")
     sim.add_argument("--lora_dropout", type=float, default=0.0, help="with --lora and --simulate")

@@ -4,8 +4,8 @@
   model on meta, materialises fake weights on the device, runs forward + backward under the tracker; with
   spec["layers"] below the depth it runs depths L and L+1 and extends the (exactly linear) bytes, FLOPs and op
   count to the model's depth (the largest holders and attention paths stay those of the L-layer step)
-- `build_simulated_model`: the model of a spec, as the recipe builds it (4-bit base with the other weights in
-  fp32 as peft's prepare_model_for_kbit_training leaves them, or 16-bit; LoRA; the patch)
+- `build_simulated_model`: the model of a spec, as the recipe builds it (4-bit base prepared by
+  patches.kbit.prepare_kbit_model: the other weights bf16; or 16-bit; LoRA; the patch)
 - `transformers_sees_real_tensors`: transformers takes fake tensors for compile tracing and then builds an
   O(N^2) packed mask no GPU run builds; inside, it sees them as real
 - `fits`, `longest_fitting`: the simulated peak against the device's usable memory; doubling then bisection
@@ -81,23 +81,23 @@ def build_simulated_model(spec: dict, layers: int):
     model.train()
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     if bits == 4:
-        from peft import prepare_model_for_kbit_training
-
         from bpt.gpusim.quant4 import quantise_linears
+        from patches.kbit import prepare_kbit_model
 
         quantise_linears(model)
         model.is_loaded_in_4bit = True
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec["gradient_checkpointing"],
-                                                **checkpointing)
+        model = prepare_kbit_model(model, use_gradient_checkpointing=spec["gradient_checkpointing"], **checkpointing)
     elif spec["gradient_checkpointing"]:
         model.gradient_checkpointing_enable(**checkpointing)
     if spec["lora"]:
         from peft import LoraConfig, get_peft_model
 
+        from bpt.gpusim.quant4 import lora_like_bitsandbytes
+
         targets = spec.get("lora_targets") or "all-linear"
-        model = get_peft_model(model, LoraConfig(
+        model = get_peft_model(model, lora_like_bitsandbytes(LoraConfig(
             r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=spec.get("lora_dropout", 0.0),
-            target_modules=targets, task_type="CAUSAL_LM", modules_to_save=spec.get("modules_to_save")))
+            target_modules=targets, task_type="CAUSAL_LM", modules_to_save=spec.get("modules_to_save"))))
     handle = None
     if spec["side"] == "patched":
         from patches import apply_bpt_patch

@@ -6,7 +6,8 @@ Its matmul (bnb.matmul_4bit) casts the input to the compute dtype, dequantises t
 (a transient [out, in] tensor), multiplies, and casts the output back to the input's dtype (Linear4bit.forward);
 backward dequantises again for the input gradient and keeps nothing between the two. `Emulated4bitLinear` does
 exactly those allocations with uninitialised values: for memory on fake tensors, never for results.
-It subclasses nn.Linear so peft wraps it with LoRA as it wraps any linear layer.
+It subclasses nn.Linear so peft's all-linear finds it; `lora_like_bitsandbytes` makes peft wrap it in the LoRA class
+it uses for bitsandbytes' layer.
 """
 from __future__ import annotations
 
@@ -72,3 +73,13 @@ def quantise_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",),
                 setattr(module, child_name, Emulated4bitLinear(child, compute_dtype))
                 swapped += 1
     return swapped
+
+
+def lora_like_bitsandbytes(lora_config):
+    """peft wraps a bitsandbytes 4-bit layer in its own LoRA class (peft.tuners.lora.bnb.Linear4bit: no cast of the
+    input to the adapter's dtype under autocast, a defensive clone of the base output), not in the plain one it uses
+    for nn.Linear: register that class for Emulated4bitLinear too. Returns the config."""
+    from peft.tuners.lora.bnb import Linear4bit
+
+    lora_config._register_custom_module({Emulated4bitLinear: Linear4bit})
+    return lora_config
