@@ -66,6 +66,23 @@ def test_fsdp_shards_the_4bit_base_and_matches_one_process(tiny, tmp_path):
     assert loaded.get_parameter(name).abs().sum() > 0  # trained values, not peft's zero init
 
 
+def test_fsdp_cpu_offload_trains_as_fsdp_does(tiny, tmp_path):
+    """--fsdp_cpu_offload: the shards, their gradients and the optimizer step in host memory (CPUOffloadPolicy;
+    unpinned on a machine without CUDA) train bitwise as FSDP without it (which matches one process, above)."""
+    runs = {}
+    for offload in (False, True):
+        out = tmp_path / f"offload-{offload}"
+        done = _launch(tiny, out, "--per_device_train_batch_size", 1, *(["--fsdp_cpu_offload"] if offload else []))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[offload] = out
+    assert "the main one holding 50.0% of the weights in host memory" in done.stderr
+    assert losses(runs[True]) == losses(runs[False])
+    offloaded, resident = _adapter(runs[True]), _adapter(runs[False])
+    assert offloaded.keys() == resident.keys()
+    for name in resident:
+        assert torch.equal(offloaded[name], resident[name]), name
+
+
 def test_resume_under_sequence_parallelism_matches_one_process(tiny, tmp_path):
     """SP 2 with FSDP over both processes: stopped after step 2, resumed from checkpoint-2 (whole adapter loaded
     before sharding, the optimizer's full state into its shards); the three losses equal one process training the
@@ -157,3 +174,11 @@ def test_fsdp_with_one_process_trains_unsharded_with_a_note(tiny, tmp_path, caps
     noted = run(parse_args(base_argv(tiny, tmp_path / "fsdp", *COMMON, "--fsdp")))
     assert "note: --fsdp with one process has nothing to shard over; training unsharded" in capsys.readouterr().err
     assert noted.losses == plain.losses
+
+
+def test_cpu_offload_without_fsdp_is_refused_before_loading(tiny, tmp_path, capsys):
+    assert main([*base_argv(tiny, tmp_path / "run"), "--fsdp_cpu_offload"]) == 2
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err
+    assert err.strip().splitlines()[-1] == ("error: --fsdp_cpu_offload offloads FSDP's shards: add --fsdp (and launch "
+                                            "several processes)")

@@ -129,6 +129,9 @@ class TrainArguments:
                         "attention sinks) or ulysses (query heads must divide by N).", choices=("ring", "ulysses"))
     fsdp: bool = _opt(False, "Shard the (4-bit) base and LoRA over every process with FSDP2 (torch fully_shard), so "
                       "a model too large for one device trains; also on when launched with an accelerate FSDP config.")
+    fsdp_cpu_offload: bool = _opt(False, "With --fsdp: keep each process's weight shards, gradients and optimizer "
+                                  "state in host memory (FSDP2 CPUOffloadPolicy, pinned on GPUs); each layer's shards "
+                                  "come to the device for its compute, and the optimizer steps on the CPU.")
     seed: int = _opt(42, "Seed for LoRA init, data order and dropout.")
     torch_threads: int | None = _opt(
         None, "CPU threads per process for torch ops (torch.set_num_threads); default: torch's own. 1 is fastest "

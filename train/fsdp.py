@@ -43,6 +43,8 @@ def use_launcher_fsdp(args) -> None:
 def check_fsdp(args, config) -> None:
     """UserError (before any weights are read) for what FSDP cannot shard. With one process there is nothing to
     shard over: --fsdp is dropped with a note."""
+    if args.fsdp_cpu_offload and not args.fsdp:
+        raise UserError("--fsdp_cpu_offload offloads FSDP's shards: add --fsdp (and launch several processes)")
     if not args.fsdp:
         return
     if launched_world_size() == 1:
@@ -83,10 +85,11 @@ def trainable_in_fp32(model) -> None:
             param.data = param.data.float()
 
 
-def shard_model(model) -> None:
+def shard_model(model, cpu_offload: bool = False) -> None:
     """fully_shard every decoder layer of `model` (a peft model or a transformers one), then its transformers root,
-    in place. Raises ValueError for 4-bit data in uint8 storage."""
-    from torch.distributed.fsdp import fully_shard
+    in place; cpu_offload: the shards, their gradients (and so the optimizer step) live in host memory, pinned where
+    CUDA is (pinning needs it). Raises ValueError for 4-bit data in uint8 storage."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     _check_storage(model)
     trainable_in_fp32(model)
@@ -96,9 +99,10 @@ def shard_model(model) -> None:
     layers = [module for module in root.modules() if type(module).__name__ in layer_classes]
     if not layers:
         raise ValueError(f"{type(root).__name__} names no decoder layer class (_no_split_modules) to shard by")
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(root)
+        fully_shard(layer, offload_policy=policy)
+    fully_shard(root, offload_policy=policy)
 
 
 def local_share(model) -> float:

@@ -275,7 +275,7 @@ def run(args: Args) -> RunResult:
     if plan.resume_path:  # before sharding / wrapping: every rank loads the whole adapter
         checkpoint.load_weights(plan.resume_path, model)
     if args.fsdp:
-        shard_model(model)  # the optimizer must see the shards
+        shard_model(model, cpu_offload=args.fsdp_cpu_offload)  # the optimizer must see the shards
     optimizer = loop.make_optimizer(model, args)
     scheduler = loop.make_scheduler(optimizer, args, steps)
     if args.fsdp:
@@ -289,7 +289,8 @@ def run(args: Args) -> RunResult:
                                  if layout.sequence_parallel > 1 else "")
               + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else "")
               + (f"; FSDP2 over {accelerator.num_processes} process(es), the main one holding "
-                 f"{100 * local_share(model):.1f}% of the weights" if args.fsdp else ""),
+                 f"{100 * local_share(model):.1f}% of the weights"
+                 + (" in host memory" if args.fsdp_cpu_offload else "") if args.fsdp else ""),
               file=sys.stderr)
     start_step, position = start_position(accelerator, args, plan.resume_path, model, optimizer, scheduler, steps)
     if args.report_to != "none":
