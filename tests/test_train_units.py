@@ -123,3 +123,14 @@ def test_no_train_source_file_over_450_lines():
     long = {str(p.relative_to(root)): n for p in (root / "train").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 450}
     assert not long, long
+
+
+def test_block_size_flags_reach_the_patch():
+    from tiny_models import tiny_model
+    from train.model import patch
+
+    args = parse_args(["--model_name_or_path", "m", "--norm_chunk", "24", "--mlp_chunk", "40"])
+    handle = patch(tiny_model("llama"), args)
+    assert (handle.options.norm_chunk, handle.options.mlp_chunk, handle.options.q_block) == (24, 40, 1024)
+    with pytest.raises(UserError, match="--norm_chunk must be a positive integer"):
+        parse_args(["--model_name_or_path", "m", "--norm_chunk", "0"])

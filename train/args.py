@@ -91,6 +91,9 @@ class LoraArguments:
         False, "LongLoRA style: also train the input embeddings and all norm layers (saved with the adapter).")
 
 
+BPT_SIZES = ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "norm_chunk")  # flags passed to apply_bpt_patch
+
+
 @dataclass
 class BPTArguments:
     """Blockwise (BPT) patch"""
@@ -100,6 +103,8 @@ class BPTArguments:
     kv_block: int | None = _opt(None, "Key/value block size of blockwise attention.", bpt_default=True)
     mlp_chunk: int | None = _opt(None, "Tokens per chunk of the chunked MLP.", bpt_default=True)
     loss_chunk: int | None = _opt(None, "Tokens per chunk of the chunked LM head + loss.", bpt_default=True)
+    norm_chunk: int | None = _opt(None, "Tokens per chunk of a norm's backward (its fp32 temporaries).",
+                                  bpt_default=True)
     bpt_compile: bool | None = _opt(None, "torch.compile the per-block functions; default: only on CUDA.")
 
 
@@ -363,7 +368,7 @@ def validate(args: Args) -> None:
     for name in positive:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
-    for name in ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "num_proc", "torch_threads"):
+    for name in (*BPT_SIZES, "num_proc", "torch_threads"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     for name in ("save_steps", "warmup_steps", "max_grad_norm", "weight_decay"):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+from train.args import BPT_SIZES
 from train.errors import UserError, one_line
 from train.run_dir import ADAPTER_CONFIG_FILE, RUN_INFO_FILE, read_adapter_dir
 
@@ -220,7 +221,7 @@ def patch(model, args):
         return None
     from patches import apply_bpt_patch
 
-    options = {name: getattr(args, name) for name in ("q_block", "kv_block", "mlp_chunk", "loss_chunk")
+    options = {name: getattr(args, name) for name in BPT_SIZES
                if getattr(args, name) is not None}
     try:
         # The recipe never reads logits of a labelled batch: evaluation stays O(N) memory as training is.

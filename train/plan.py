@@ -145,7 +145,9 @@ def step_spec(args, config, seq_len: int, adapters: tuple) -> dict:
     """The worker spec of one step of this run with --max_seq_len `seq_len` (a rank's share of it)."""
     from bpt.config import BPTConfig
 
-    blocks = {name: getattr(args, name) for name in ("q_block", "kv_block", "mlp_chunk", "loss_chunk")
+    from train.args import BPT_SIZES
+
+    blocks = {name: getattr(args, name) for name in BPT_SIZES
               if getattr(args, name) is not None}
     values = scaled(config, args, seq_len).to_dict()
     values.pop("quantization_config", None)  # --bits decides the quantisation, as in the run

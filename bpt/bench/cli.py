@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, what in (("q_block", "query block size of blockwise attention"),
                        ("kv_block", "key/value block size of blockwise attention"),
                        ("mlp_chunk", "tokens per chunk of the chunked MLP"),
-                       ("loss_chunk", "tokens per chunk of the chunked LM head + loss")):
+                       ("loss_chunk", "tokens per chunk of the chunked LM head + loss"),
+                       ("norm_chunk", "tokens per chunk of a norm's backward")):
         default = getattr(defaults, name)
         p.add_argument(f"--{name}", type=int, default=default, help=f"{what} (default: {default}, "
                        "bpt.config.BPTConfig's)")
@@ -154,7 +155,7 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         p.error(f"--max_len must be positive, got {args.max_len}")
     try:
         args.bpt = BPTConfig(q_block=args.q_block, kv_block=args.kv_block, mlp_chunk=args.mlp_chunk,
-                             loss_chunk=args.loss_chunk, compile=args.bpt_compile)
+                             loss_chunk=args.loss_chunk, norm_chunk=args.norm_chunk, compile=args.bpt_compile)
     except ValueError as error:
         p.error(str(error))
     if args.device is None:
