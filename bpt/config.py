@@ -18,6 +18,9 @@ class BPTConfig:
     eval_logits: with labels in eval mode (`model.eval()`), also return the full logits, as stock
         does (HF Trainer's evaluate / predict / compute_metrics need them; they cost N x vocab
         memory). False keeps evaluation like training: loss only, logits None, O(N) memory.
+    offload_checkpoints: in training, keep the whole-sequence activations saved between forward and backward (the
+        layer checkpoints, the final norm's and the loss's input) in host memory (patches/offload.py); needs
+        gradient checkpointing.
     """
 
     q_block: int = 1024
@@ -27,6 +30,7 @@ class BPTConfig:
     norm_chunk: int = 2048
     compile: bool | None = None
     eval_logits: bool = True
+    offload_checkpoints: bool = False
 
     def __post_init__(self):
         for field in ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "norm_chunk"):
@@ -35,8 +39,9 @@ class BPTConfig:
                 raise ValueError(f"BPT option {field} must be a positive integer number of tokens, got {value!r}")
         if self.compile not in (None, True, False):
             raise ValueError(f"BPT option compile must be True, False or None (auto), got {self.compile!r}")
-        if not isinstance(self.eval_logits, bool):
-            raise ValueError(f"BPT option eval_logits must be True or False, got {self.eval_logits!r}")
+        for field in ("eval_logits", "offload_checkpoints"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"BPT option {field} must be True or False, got {getattr(self, field)!r}")
 
     @classmethod
     def from_options(cls, **options) -> "BPTConfig":

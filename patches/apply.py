@@ -32,6 +32,7 @@ from patches.bound_attention import BINDERS
 from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
 from patches.lm_head import causal_lm_forward
 from patches.lora_inputs import input_cast_skipping_round_trips, is_lora_layer
+from patches.offload import offloading_forward
 from patches.masks import bpt_mask
 from patches.norms import lean_norm_forward, per_token_norm_dims
 from patches.own_attention import attention_weights_forward, config_view
@@ -131,7 +132,8 @@ def apply_bpt_patch(model=None, **options) -> BPTPatchHandle:
     """Patch `model` (a transformers causal LM, plain, peft-wrapped or quantised) in place, or, with no
     model, every supported causal LM loaded afterwards through `from_pretrained` / `from_config`.
 
-    Options: q_block, kv_block, mlp_chunk, loss_chunk, norm_chunk (tokens), compile (None = auto). With labels
+    Options: q_block, kv_block, mlp_chunk, loss_chunk, norm_chunk (tokens), compile (None = auto),
+    offload_checkpoints (layer checkpoints in host memory; needs gradient checkpointing). With labels
     the patched model returns the loss and `logits=None`: full logits are never materialised.
 
     Calling it again on the same target returns the same handle (re-patched if the options differ);
@@ -201,6 +203,9 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
             handle.set(module, "config", view)
     handle.set(base, "forward", attention_weights_forward(base, base.forward, view))
     handle.set(hf_model, "forward", causal_lm_forward(hf_model, hf_model.forward, family, config))
+    if config.offload_checkpoints:
+        text_config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
+        handle.set(hf_model, "forward", offloading_forward(hf_model, hf_model.forward, text_config.hidden_size))
     handle.set(hf_model, _HANDLE_ATTR, handle)  # last: is_patched is True only for a complete patch
 
 

@@ -3,6 +3,7 @@ under torchrun with several processes. Writes OUT/result.pt on the main process:
 LoRA weights. A tiny llama with LoRA, patched; 8 right-padded rows of 45 tokens; 3 steps of 2 rows."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -78,7 +79,12 @@ def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") 
         from bpt.sequence_parallel import traffic
 
         torch.save({"losses": losses, "lora": lora, "bytes_sent": traffic.total()}, os.path.join(out, "result.pt"))
-    if torch.distributed.is_initialized():  # leave together: a rank whose gloo groups die at interpreter exit aborts
+    # Tear down while every rank is alive: DDP's reducer holds a gloo group, and a group destroyed at interpreter
+    # exit, after its peers left, was seen to abort the process (CI) or hang it in the group's destructor.
+    trainer.accelerator.free_memory()  # accelerate's references to the DDP-wrapped model
+    del trainer
+    gc.collect()
+    if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

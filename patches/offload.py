@@ -1,0 +1,121 @@
+"""Checkpoint offload: the whole-sequence activations a checkpointed model keeps between forward and backward live in
+host memory.
+
+With gradient checkpointing, what stays alive from forward to backward is each decoder layer's input (torch's
+non-reentrant checkpoint saves it through autograd, before its own hooks take over inside the layer), plus the final
+norm's and the loss's input: [B, N, hidden] each, the memory floor at long context. Saved-tensor hooks around the
+model's forward move every such tensor to the host as it is saved, and back in backward:
+- on CUDA the copies run on a side stream (the compute stream does not wait for them), into pinned host buffers; the
+  device tensor's memory is handed back to the allocator only once its copy is done (`record_stream`);
+- backward needs the layers' inputs in reverse order, so when one comes back the one saved before it starts its copy
+  back at once (prefetch one layer ahead): the compute stream waits only on the copy it needs now.
+- on CPU (and in the simulation) the copy is a plain one, made when saved and undone when needed.
+transformers' `activation_checkpointing_enable(offload=True)` wraps each layer's checkpoint in torch's `save_on_cpu`:
+copies on the compute stream, no prefetch, and it skips the loss's and final norm's inputs. Values are copied, never
+converted: gradients are bitwise those of the run without offload.
+"""
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+
+class _Saved:
+    """One offloaded tensor: its host copy, and its device copy while it is on its way back."""
+
+    __slots__ = ("host", "device", "ready", "index")
+
+    def __init__(self, host: torch.Tensor, index: int):
+        self.host, self.device, self.ready, self.index = host, None, None, index
+
+
+class CheckpointOffload:
+    """Pack / unpack hooks of one forward + backward. `tokens`: B * N; `width`: hidden size. Tensors of at least
+    tokens x width elements whose leading dims are the tokens go to the host; everything else stays."""
+
+    def __init__(self, tokens: int, width: int, batch_and_length: tuple[int, int]):
+        self.tokens, self.width, self.batch_and_length = tokens, width, batch_and_length
+        self.saved: list[_Saved] = []
+        self.stream = None  # CUDA side stream, made on the first real CUDA tensor
+        self.device = None
+
+    def offloads(self, t: torch.Tensor) -> bool:
+        if isinstance(t, torch.nn.Parameter) or not t.is_floating_point() or t.device.type == "meta":
+            return False
+        if t.numel() < self.tokens * self.width:
+            return False
+        return tuple(t.shape[:2]) == self.batch_and_length or t.shape[0] == self.tokens
+
+    def pack(self, t: torch.Tensor):
+        if not self.offloads(t):
+            return t
+        self.device = t.device
+        if t.is_cuda and not is_fake(t) and torch.cuda.is_available():
+            host = self._to_host_async(t)
+        else:
+            host = t.to("cpu", copy=True)  # CPU: a copy, so the path is the real one; simulation: a host tensor
+        self.saved.append(_Saved(host, len(self.saved)))
+        return self.saved[-1]
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Saved):
+            return packed
+        self._fetch(packed)
+        if packed.ready is not None:
+            torch.cuda.current_stream().wait_event(packed.ready)
+        tensor, packed.device, packed.ready = packed.device, None, None
+        if packed.index > 0:
+            self._fetch(self.saved[packed.index - 1])  # the next one backward needs: on its way while this one works
+        return tensor
+
+    def _to_host_async(self, t: torch.Tensor) -> torch.Tensor:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(t.device)
+        host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True) \
+            if t.is_non_overlapping_and_dense() else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(self.stream)  # its memory is reused only after the copy
+        return host
+
+    def _fetch(self, packed: _Saved) -> None:
+        if packed.device is not None:
+            return
+        if self.stream is None:
+            packed.device = packed.host.to(self.device, copy=True)
+            return
+        with torch.cuda.stream(self.stream):
+            packed.device = packed.host.to(self.device, non_blocking=True)
+            packed.ready = torch.cuda.Event()
+            packed.ready.record(self.stream)
+        packed.device.record_stream(torch.cuda.current_stream(self.device))
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def checkpointed(model) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def offloading_forward(model, original, width: int):
+    """`model.forward` that runs `original` under a fresh CheckpointOffload when it trains (grad enabled, train
+    mode); refuses to train without gradient checkpointing (everything would be offloaded, very slowly)."""
+
+    def forward(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        shape = tuple((ids if ids is not None else embeds).shape[:2]) if (ids is not None or embeds is not None) \
+            else None
+        if not (model.training and torch.is_grad_enabled()) or shape is None or len(shape) < 2:
+            return original(*args, **kwargs)
+        if not checkpointed(model):
+            raise RuntimeError("offload_checkpoints=True moves the layer checkpoints to host memory, and this model "
+                               "trains without gradient checkpointing: call model.gradient_checkpointing_enable() "
+                               "(train.qlora: drop --no_gradient_checkpointing) or patch without offload_checkpoints")
+        offload = CheckpointOffload(shape[0] * shape[1], width, shape)
+        with offload.hooks():
+            return original(*args, **kwargs)
+
+    return forward

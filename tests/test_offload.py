@@ -1,0 +1,154 @@
+"""apply_bpt_patch(offload_checkpoints=True) (patches/offload.py): the activations a checkpointed model keeps between
+forward and backward go to host memory and come back, one layer ahead, with bitwise the same loss and gradients."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from patches import apply_bpt_patch, offload
+from test_patches import SMALL_BLOCKS, loss_and_grads, lora, make_batch
+from tiny_models import tiny_model
+
+CHECKPOINTING = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+
+
+def checkpointed(model):
+    model.gradient_checkpointing_enable(**CHECKPOINTING)
+    return model.train()
+
+
+def assert_bitwise(expected, got):
+    (loss, grads), (offloaded_loss, offloaded_grads) = expected, got
+    assert torch.equal(loss, offloaded_loss)
+    assert grads.keys() == offloaded_grads.keys() and grads
+    for name, grad in grads.items():
+        assert torch.equal(grad, offloaded_grads[name]), name
+
+
+class Recorder:
+    """Wraps CheckpointOffload's hooks: what was packed (shapes), and the order of unpacks and fetches."""
+
+    def __init__(self, monkeypatch):
+        self.packed, self.events = [], []
+        pack, unpack, fetch = (offload.CheckpointOffload.pack, offload.CheckpointOffload.unpack,
+                               offload.CheckpointOffload._fetch)
+        recorder = self
+
+        def recording_pack(self, t):
+            out = pack(self, t)
+            if isinstance(out, offload._Saved):
+                recorder.packed.append(tuple(t.shape))
+                assert out.host.device.type == "cpu" and out.host.data_ptr() != t.data_ptr()
+            return out
+
+        def recording_unpack(self, packed):
+            if isinstance(packed, offload._Saved):
+                recorder.events.append(("unpack", packed.index))
+            return unpack(self, packed)
+
+        def recording_fetch(self, packed):
+            if packed.device is None:
+                recorder.events.append(("fetch", packed.index))
+            return fetch(self, packed)
+
+        monkeypatch.setattr(offload.CheckpointOffload, "pack", recording_pack)
+        monkeypatch.setattr(offload.CheckpointOffload, "unpack", recording_unpack)
+        monkeypatch.setattr(offload.CheckpointOffload, "_fetch", recording_fetch)
+
+
+@pytest.mark.parametrize("variant", ["plain", "lora", "bf16_autocast"])
+def test_bitwise_equal_to_no_offload(variant):
+    model = tiny_model("llama")
+    if variant == "lora":
+        model = lora(model)
+    checkpointed(model)
+    resident = copy.deepcopy(model)
+    apply_bpt_patch(resident, **SMALL_BLOCKS)
+    apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True)
+    inputs = make_batch("packed")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bf16_autocast"):
+        assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
+
+
+def test_every_layer_input_goes_to_the_host_and_comes_back_one_ahead(monkeypatch):
+    recorder = Recorder(monkeypatch)
+    model = checkpointed(tiny_model("llama"))
+    apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True)
+    inputs = make_batch("plain")
+    loss_and_grads(model, inputs)
+    batch, length = inputs["input_ids"].shape
+    layers = model.config.num_hidden_layers
+    # every layer's input, then the final norm's and the loss's input: [B, N, hidden] each (the loss's flattened)
+    hidden = model.config.hidden_size
+    assert recorder.packed[:layers] == [(batch, length, hidden)] * layers and len(recorder.packed) >= layers + 1
+    assert set(recorder.packed) <= {(batch, length, hidden), (batch * length, hidden)}
+    last = len(recorder.packed) - 1
+    # backward: each one back in reverse order; the first is fetched when needed, every other one already while
+    # the one after it is unpacked (prefetch one ahead)
+    expected = [("unpack", last), ("fetch", last)]
+    for index in range(last - 1, -1, -1):
+        expected += [("fetch", index), ("unpack", index)]
+    assert recorder.events == expected
+
+
+def test_patch_before_or_after_checkpointing_and_peft():
+    inputs = make_batch("plain")
+    reference = checkpointed(lora(tiny_model("llama")))
+    apply_bpt_patch(reference, **SMALL_BLOCKS)
+    expected = loss_and_grads(reference, inputs)
+    patched_first = tiny_model("llama")
+    apply_bpt_patch(patched_first, **SMALL_BLOCKS, offload_checkpoints=True)
+    patched_first = checkpointed(lora(patched_first))
+    assert_bitwise(expected, loss_and_grads(patched_first, inputs))
+
+
+def test_remove_and_reapply_in_a_notebook():
+    model = checkpointed(tiny_model("llama"))
+    forward = model.forward
+    inputs = make_batch("plain")
+    handle = apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True)
+    first = loss_and_grads(model, inputs)
+    assert apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True) is handle  # the cell run again
+    assert_bitwise(first, loss_and_grads(model, inputs))
+    apply_bpt_patch(model, **SMALL_BLOCKS)  # same handle, offload off
+    assert_bitwise(first, loss_and_grads(model, inputs))
+    handle.remove()
+    assert model.forward == forward and "forward" not in vars(model)
+
+
+def test_without_checkpointing_it_says_what_to_do():
+    model = tiny_model("llama").train()
+    apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True)
+    with pytest.raises(RuntimeError, match="call model.gradient_checkpointing_enable()"):
+        model(**make_batch("plain"))
+    with torch.no_grad():  # evaluation does not need it
+        model.eval()
+        model(**make_batch("plain"))
+
+
+def test_bad_option_is_refused():
+    with pytest.raises(ValueError, match="offload_checkpoints must be True or False"):
+        apply_bpt_patch(tiny_model("llama"), offload_checkpoints="yes")
+
+
+@pytest.mark.cuda
+def test_cuda_offload_pins_host_memory_and_lowers_the_peak():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run `python -m pytest -m cuda` on a GPU machine)")
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_batch("plain", length=4096).items()}
+    peaks, results = {}, {}
+    for offloaded in (False, True):
+        model = checkpointed(tiny_model("llama", hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+                                        max_position_embeddings=8192)).cuda()
+        apply_bpt_patch(model, offload_checkpoints=offloaded)
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            results[offloaded] = loss_and_grads(model, inputs)
+        peaks[offloaded] = torch.cuda.max_memory_allocated()
+    assert_bitwise(results[False], results[True])
+    assert peaks[True] < peaks[False], peaks
+    saved = offload.CheckpointOffload(1, 1, (1, 1))
+    packed = saved.pack(torch.ones(1, 1, device="cuda"))
+    assert packed.host.is_pinned()
