@@ -126,6 +126,17 @@ def test_bpt_losses_equal_stock(tiny, tmp_path, stock_run):
     assert_close(losses(out), stock_run)
 
 
+def test_offload_checkpoints_trains_bitwise_as_without(tiny, tmp_path, capsys):
+    runs = {}
+    for flag in ("--no_offload_checkpoints", "--offload_checkpoints"):
+        runs[flag] = tmp_path / flag
+        run(parse_args(base_argv(tiny, runs[flag], flag, "--lora_dropout", 0)))
+    assert losses(runs["--offload_checkpoints"]) == losses(runs["--no_offload_checkpoints"])
+    assert main(base_argv(tiny, tmp_path / "refused", "--offload_checkpoints", "--no_gradient_checkpointing")) == 2
+    assert error_line(capsys).endswith("it needs --bpt and gradient checkpointing (drop --no_gradient_checkpointing "
+                                       "/ --no_bpt)")
+
+
 def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path, monkeypatch):
     # Dropout on, so the restored RNG state matters; gradient accumulation, so the data position does.
     argv = lambda out, *extra: base_argv(tiny, out, "--save_steps", 2, "--lora_dropout", 0.1,  # noqa: E731

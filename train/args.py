@@ -106,6 +106,9 @@ class BPTArguments:
     norm_chunk: int | None = _opt(None, "Tokens per chunk of a norm's backward (its fp32 temporaries).",
                                   bpt_default=True)
     bpt_compile: bool | None = _opt(None, "torch.compile the per-block functions; default: only on CUDA.")
+    offload_checkpoints: bool = _opt(False, "Keep the layer checkpoints in host memory (pinned, copied on a side "
+                                     "stream, prefetched one layer ahead): device memory then no longer grows with "
+                                     "layers x tokens; host memory does. Needs gradient checkpointing.")
 
 
 @dataclass
@@ -393,3 +396,6 @@ def validate(args: Args) -> None:
         raise UserError(f"--eval_lengths must be positive, got {args.eval_lengths}")
     if args.bpt_compile and not args.bpt:
         raise UserError("--bpt_compile needs --bpt (it compiles the blockwise functions)")
+    if args.offload_checkpoints and not (args.bpt and args.gradient_checkpointing):
+        raise UserError("--offload_checkpoints moves the layer checkpoints to host memory: it needs --bpt and "
+                        "gradient checkpointing (drop --no_gradient_checkpointing / --no_bpt)")

@@ -225,7 +225,8 @@ def patch(model, args):
                if getattr(args, name) is not None}
     try:
         # The recipe never reads logits of a labelled batch: evaluation stays O(N) memory as training is.
-        return apply_bpt_patch(model, compile=args.bpt_compile, eval_logits=False, **options)
+        return apply_bpt_patch(model, compile=args.bpt_compile, eval_logits=False,
+                               offload_checkpoints=args.offload_checkpoints, **options)
     except ValueError as error:  # impossible block sizes and the like
         raise UserError(f"cannot apply the BPT patch: {one_line(error)}") from None
 
