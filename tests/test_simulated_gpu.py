@@ -191,3 +191,23 @@ def test_find_max_on_the_simulated_device_bisects_per_side(tmp_path):
         exact = (usable - 2**30) // rate
         found = report["find_max"][side]["max_context_tokens"]
         assert found <= exact < found + 1024, (side, found, exact)
+
+
+def test_offload_side_moves_the_checkpoints_to_host(tmp_path, shim_library):
+    """patched+offload: the bf16 layer checkpoints (and the final norm's and loss's inputs) are host bytes, counted
+    apart; the device peak drops by the checkpoints, less what a backward still holds of that size (the layer input
+    in use, the next one prefetched, the embedding output that peft's input-grad hook makes a leaf): at most four."""
+    layers = 8
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": layers,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 176,
+                                  "vocab_size": 256, "max_position_embeddings": 8192}))
+    report = main(["--simulate", "h100-80gb", "--model", str(config), "--seq_lens", "8192", "--lora", "--lora_r", "4",
+                   "--sides", "patched", "patched+offload", "--output", str(tmp_path / "sim.json")])
+    runs = {r["side"]: r for r in report["runs"]}
+    assert all(r["ok"] for r in runs.values()), runs
+    one = 8192 * 64 * 2  # tokens x hidden x bf16
+    resident, offloaded = runs["patched"], runs["patched+offload"]
+    assert resident["host_peak_bytes"] < 1024  # a few host scalars (RNG state)
+    assert 0 <= offloaded["host_peak_bytes"] - (layers + 2) * one < 1024  # + the final norm's and loss's inputs
+    assert offloaded["peak_bytes"] <= resident["peak_bytes"] - (layers - 4) * one

@@ -162,7 +162,7 @@ def step_spec(args, config, seq_len: int, adapters: tuple) -> dict:
         else:
             layers = depth  # a per-layer pattern of its own: every layer simulated
     return {
-        "task": "simulate", "simulate": args.plan, "side": "patched" if args.bpt else "stock",
+        "task": "simulate", "simulate": args.plan, "side": ("patched+offload" if args.offload_checkpoints else "patched") if args.bpt else "stock",
         "seq_len": -(-seq_len // args.sequence_parallel), "model_config": values, "bits": args.bits,
         "lora": True, "lora_r": args.lora_r, "lora_targets": adapters[0], "lora_dropout": args.lora_dropout,
         "modules_to_save": adapters[1], "batch_size": args.per_device_train_batch_size,

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=_HelpFormatter)
     p.add_argument("--model", default="llama-ref", help=f"preset ({', '.join(PRESETS)}) or a config json path")
     p.add_argument("--seq_lens", type=int, nargs="+", default=[4096, 8192, 16384], help="tokens per sequence")
-    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="stock transformers and/or BPT")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=["stock", "patched"],
+                   help="stock transformers, BPT, and/or BPT with the layer checkpoints in host memory")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and compute")
     p.add_argument("--batch_size", type=int, default=1, help="sequences per step")
     p.add_argument("--gradient_checkpointing", dest="gradient_checkpointing", action="store_true", default=True,

@@ -1,6 +1,6 @@
 """The models benchmarked: presets, config resolution, building the stock or patched model.
 
-- `SIDES`: the two sides compared, stock transformers and the BPT patch
+- `SIDES`: the sides compared: stock transformers, the BPT patch, and the patch with its checkpoints offloaded
 - `PRESETS`: model shapes by name (random weights from config are fine for memory and speed)
 - `HUB_MODELS`: well-known hub names -> their preset and position settings (train.qlora --plan, offline)
 - `resolve_model_config`: preset name or config json -> config dict, checked against transformers
@@ -16,7 +16,7 @@ import os
 
 import torch
 
-SIDES = ("stock", "patched")
+SIDES = ("stock", "patched", "patched+offload")  # the last: checkpoints in host memory (offload_checkpoints)
 
 # Model shapes (random weights from config are fine for memory and speed). max_position_embeddings is
 # set per sweep to cover its longest length.
@@ -146,8 +146,8 @@ def build_model(spec: dict):
                           target_modules="all-linear", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)  # freezes the base: only adapters train, as in QLoRA
     handle = None
-    if spec["side"] == "patched":  # same order as train/model.py: LoRA first, then the patch
+    if spec["side"] != "stock":  # same order as train/model.py: LoRA first, then the patch
         from patches import apply_bpt_patch
 
-        handle = apply_bpt_patch(model, **spec["bpt"])
+        handle = apply_bpt_patch(model, **{**spec["bpt"], "offload_checkpoints": spec["side"] == "patched+offload"})
     return model, handle

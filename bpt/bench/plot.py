@@ -1,7 +1,7 @@
 """Draw a --simulate report: simulated peak memory against sequence length, per side, with the device's
 capacity, its usable part and each side's longest fitting length marked.
 
-    python -m bpt.bench.plot docs/bench/llama-3.1-8b-qlora-h100.json --output docs/bench/llama-3.1-8b-qlora-h100.png
+    python -m bpt.bench.plot docs/bench/llama-3.1-8b-qlora-h100.json [more.json ...] --output docs/bench/X.png
 
 Needs matplotlib (pip install matplotlib); nothing else in the toolkit does.
 """
@@ -25,7 +25,7 @@ def plot(report: dict, output: Path) -> None:
         sys.exit("drawing needs matplotlib: pip install matplotlib")
     env = report["environment"]
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
-    for side, color in (("stock", "tab:red"), ("patched", "tab:blue")):
+    for side, color in (("stock", "tab:red"), ("patched", "tab:blue"), ("patched+offload", "tab:green")):
         runs = sorted((r for r in report["runs"] if r["side"] == side and r["ok"]), key=lambda r: r["seq_len"])
         if not runs:
             continue
@@ -64,12 +64,17 @@ def plot(report: dict, output: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bpt.bench.plot", description=__doc__.split("\n\n")[0])
-    p.add_argument("report", type=Path, help="a JSON written by python -m bpt.bench --simulate ... --output")
+    p.add_argument("reports", type=Path, nargs="+",
+                   help="JSONs written by python -m bpt.bench --simulate ... --output (several: the same model and "
+                        "device, e.g. one per side; drawn together)")
     p.add_argument("--output", type=Path, required=True, help="PNG to write")
     args = p.parse_args(argv)
-    report = json.loads(args.report.read_text())
-    if not report.get("environment", {}).get("simulated"):
-        p.error(f"{args.report} is not a --simulate report")
+    reports = [json.loads(path.read_text()) for path in args.reports]
+    for path, report in zip(args.reports, reports):
+        if not report.get("environment", {}).get("simulated"):
+            p.error(f"{path} is not a --simulate report")
+    report = {"environment": reports[0]["environment"], "runs": [r for rep in reports for r in rep["runs"]],
+              "find_max": {side: found for rep in reports for side, found in rep["find_max"].items()}}
     plot(report, args.output)
     print(f"wrote {args.output}")
 

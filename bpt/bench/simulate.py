@@ -99,10 +99,11 @@ def build_simulated_model(spec: dict, layers: int):
             r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=spec.get("lora_dropout", 0.0),
             target_modules=targets, task_type="CAUSAL_LM", modules_to_save=spec.get("modules_to_save"))))
     handle = None
-    if spec["side"] == "patched":
+    if spec["side"] != "stock":
         from patches import apply_bpt_patch
 
-        handle = apply_bpt_patch(model, **{**spec["bpt"], "compile": False})
+        handle = apply_bpt_patch(model, **{**spec["bpt"], "compile": False,
+                                           "offload_checkpoints": spec["side"] == "patched+offload"})
     return model, handle
 
 
@@ -137,7 +138,7 @@ def simulate_step(spec: dict, layers: int, real: bool = False) -> dict:
             materialize_fake(model, sim.fake_mode, sim.torch_device)
         stack.enter_context(counting_blockwise_calls(sim.attention_paths))
         inputs = _inputs(spec, model.config.vocab_size, sim.torch_device)
-        tracker = AllocationTracker(top=spec.get("top", 10), workspace=flash_backward_workspace)
+        tracker = AllocationTracker(top=spec.get("top", 10), workspace=flash_backward_workspace, host_apart=gpu.is_cuda)
         stack.enter_context(tracker)
         tracker.track(*model.parameters(), *model.buffers(), *inputs.values())
         before = tracker.live
@@ -188,7 +189,7 @@ def run_simulation(spec: dict) -> dict:
     if layers != depth:  # peak(L) = a + b L exactly (checkpoints and weights per layer): extend it to the depth
         more = simulate_step(spec, layers + 1, real)
         per_layer = more["peak_bytes"] - step["peak_bytes"]
-        for key in ("peak_bytes", "before_bytes", "weight_bytes"):
+        for key in ("peak_bytes", "before_bytes", "weight_bytes", "host_peak_bytes"):
             row[key] = step[key] + (more[key] - step[key]) * (depth - layers)
         row["step_bytes"] = row["peak_bytes"] - row["before_bytes"]
         row["ops"] = step["ops"] + (more["ops"] - step["ops"]) * (depth - layers)

@@ -41,6 +41,8 @@ def _row_line(run: dict) -> str:
     extrapolated = f" (layers {run['layers']}->{run['depth']} extrapolated)" if run["extrapolated"] else ""
     line = (f"simulated peak {run['peak_bytes'] / GIB:7.2f} GiB  step {run['step_bytes'] / GIB:7.2f} GiB  "
             f"{run['bytes_per_token'] / 1024:7.1f} KiB/token  {fits}  attention {paths}{extrapolated}")
+    if run.get("host_peak_bytes"):
+        line += f"  host {run['host_peak_bytes'] / GIB:.2f} GiB"
     if "cuda_peak_bytes" in run:
         line += f"  | real max_memory_allocated {run['cuda_peak_bytes'] / GIB:.2f} GiB"
     return line
@@ -97,7 +99,7 @@ def format_simulated(args: argparse.Namespace, runs: list, found: dict) -> str:
                  f"{RESERVE_BYTES / GIB:.0f} GiB reserve (CUDA context, workspaces, fragmentation; uncalibrated)")
     lines = [head, "allocated bytes of one forward + backward (weights and grads included, no optimizer state)"]
     for run in sorted(runs, key=lambda r: (r["seq_len"], r["side"])):
-        lines.append(f"  {run['side']:7s} {run['seq_len']:>8d}  {_row_line(run)}")
+        lines.append(f"  {run['side']:15s} {run['seq_len']:>8d}  {_row_line(run)}")
     for side, f in found.items():
         over = f" ({f['first_over']} does not)" if f["first_over"] else ""
         lines.append(f"find_max {side}: longest that fits {f['max_context_tokens']} tokens{over}, {f['reason']}")
@@ -105,7 +107,7 @@ def format_simulated(args: argparse.Namespace, runs: list, found: dict) -> str:
 
 
 CSV_FIELDS = ("device", "model", "side", "seq_len", "bits", "lora_r", "layers", "depth", "extrapolated", "ok",
-              "peak_bytes", "step_bytes", "peak_gib", "bytes_per_token", "fits", "max_context_tokens",
+              "peak_bytes", "step_bytes", "peak_gib", "bytes_per_token", "fits", "max_context_tokens", "host_peak_bytes",
               "cuda_peak_bytes")
 
 

@@ -42,10 +42,13 @@ class AllocationTracker(TorchDispatchMode):
     workspace(func, args) -> bytes: transient bytes an op allocates internally, counted during that op only.
     top: how many of the largest live storages to keep at the peak.
     shapes: also count the outputs of every op by (op, shape) in `output_shapes` (views and in-place results too).
+    host_apart: count CPU storages (host memory of a simulated GPU: offloaded checkpoints) in `host_live` /
+        `host_peak` instead of the device figures.
     """
 
-    def __init__(self, *, top: int = 10, workspace=None, shapes: bool = False):
+    def __init__(self, *, top: int = 10, workspace=None, shapes: bool = False, host_apart: bool = False):
         super().__init__()
+        self.host_apart, self.host_live, self.host_peak = host_apart, 0, 0
         self.top, self.workspace = top, workspace
         self.output_shapes: Counter | None = Counter() if shapes else None  # (op, shape) -> outputs
         self.live = self.peak = 0
@@ -69,9 +72,17 @@ class AllocationTracker(TorchDispatchMode):
             return
         size = allocated_bytes(storage.nbytes(), t.device)
         self._sizes[storage] = size
+        if self.host_apart and t.device.type == "cpu":
+            self.host_live += size
+            self.host_peak = max(self.host_peak, self.host_live)
+            weakref.finalize(storage, self._free_host, size)
+            return
         self.live += size
         self._holders[id(storage)] = (size, self._op, tuple(t.shape), str(t.dtype).removeprefix("torch."))
         weakref.finalize(storage, self._free, size, id(storage))
+
+    def _free_host(self, size: int) -> None:
+        self.host_live -= size
 
     def _free(self, size: int, key: int) -> None:
         self.live -= size
@@ -108,7 +119,8 @@ class AllocationTracker(TorchDispatchMode):
         return out
 
     def summary(self) -> dict:
-        return {"peak_bytes": self.peak, "peak_phase": self.peak_phase, "peak_op": self.peak_op,
+        return {"peak_bytes": self.peak, "host_peak_bytes": self.host_peak, "peak_phase": self.peak_phase,
+                "peak_op": self.peak_op,
                 "peak_holders": self.peak_holders, "flops_by_dtype": dict(self.flops), "ops": self.ops}
 
 
