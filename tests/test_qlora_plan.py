@@ -14,8 +14,8 @@ import pytest
 
 from cli_helpers import ENV, REPO, base_argv, error_line
 from train.args import PLAN_DEVICES, TrainArguments, parse_args
-from train.plan import (OPTIMIZER_STATE_BYTES, RESOLUTION, longest_fitting_length, model_config, print_plan,
-                        step_spec)
+from train.plan import (OPTIMIZER_STATE_BYTES, RESOLUTION, format_verdict, longest_fitting_length, model_config,
+                        print_plan, step_spec)
 from train.qlora import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,16 +44,19 @@ def test_plan_of_a_tiny_local_model_prints_a_verdict_and_trains_nothing(tiny, tm
 def test_the_plan_simulates_this_very_run(tiny, tmp_path):
     """Non-default flags all reach the simulated step: its peak equals run_simulation's of the spec written out by
     hand from the run's flags (the tiny model's config, 16-bit, q/v adapters, embeddings and norms trained, two
-    rows per device, each rank holding half of --max_seq_len, no packing, the block sizes)."""
+    rows per device, each rank holding half of --max_seq_len, no packing, the block sizes, checkpoints offloaded:
+    the host bytes are reported)."""
     from bpt.bench.workers import run_worker
     from bpt.config import BPTConfig
 
     argv = base_argv(tiny, tmp_path / "run", "--plan", "a100-40gb", "--bits", 16, "--lora_target_modules", "q_proj,v_proj",
                      "--train_embeddings_and_norms", "--per_device_train_batch_size", 2, "--sequence_parallel", 2,
-                     "--no_packing", "--lora_dropout", 0.1, "--gradient_accumulation_steps", 2)
-    planned = print_plan(parse_args(argv), echo=lambda line: None)
+                     "--no_packing", "--lora_dropout", 0.1, "--gradient_accumulation_steps", 2,
+                     "--offload_checkpoints")
+    args = parse_args(argv)
+    planned = print_plan(args, echo=lambda line: None)
     config = json.loads((tiny / "model" / "config.json").read_text())
-    by_hand = dict(task="simulate", simulate="a100-40gb", side="patched", seq_len=32, model_config=config, bits=16,
+    by_hand = dict(task="simulate", simulate="a100-40gb", side="patched+offload", seq_len=32, model_config=config, bits=16,
                    lora=True, lora_r=4, lora_targets=["q_proj", "v_proj"], lora_dropout=0.1,
                    modules_to_save=["embed_tokens", "input_layernorm", "norm", "post_attention_layernorm"],
                    batch_size=2, gradient_checkpointing=True,
@@ -62,6 +65,8 @@ def test_the_plan_simulates_this_very_run(tiny, tmp_path):
     direct = run_worker(by_hand, 600)
     assert direct["ok"], direct
     assert planned.row["peak_bytes"] == direct["peak_bytes"]
+    assert planned.row["host_peak_bytes"] == direct["host_peak_bytes"] > 0
+    assert any(line.startswith("  host     ") for line in format_verdict(args, planned))
     assert planned.row["trainable_params"] == direct["trainable_params"]
     # Added analytically: AdamW's two fp32 moments and the gradients kept between the two micro-batches.
     trainable = direct["trainable_params"]

@@ -320,6 +320,7 @@ def format_verdict(args, p: Planned) -> list[str]:
     what += f" r {args.lora_r}" + (" + embeddings and norms" if args.train_embeddings_and_norms else "")
     what += ", BPT patch" if args.bpt else ", no BPT patch"
     what += ", checkpointing" if args.gradient_checkpointing else ", no checkpointing"
+    what += " offloaded to host memory" if args.offload_checkpoints else ""
     rope = p.spec["model_config"].get("rope_parameters") or {}
     if args.rope_scaling and rope.get("rope_type") == args.rope_scaling:
         what += f", RoPE {args.rope_scaling} x{rope['factor']:g}"
@@ -341,6 +342,8 @@ def format_verdict(args, p: Planned) -> list[str]:
         f"  usable   {size(p.usable_bytes)} = {size(gpu.memory_bytes)} less a {size(RESERVE_BYTES)} reserve for the "
         "CUDA context, workspaces and fragmentation (uncalibrated)",
         f"  verdict  {verdict} (simulated)",
+        *([f"  host     {size(row['host_peak_bytes'])} per process of host memory for the offloaded checkpoints "
+           "(pinned), simulated"] if args.offload_checkpoints else []),
         "  largest tensors live at the peak (simulated" + (f", {row['layers']}-layer step):" if row["extrapolated"]
                                                          else "):"),
     ]
