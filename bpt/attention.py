@@ -55,6 +55,7 @@ from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backwa
                         block_mask_args, check_empty_rows, dropout_keep_mask, empty_rows_backward_step,
                         empty_rows_of, fill_empty_rows, finish_rows, forward_step, host_reads_allowed, make_plan,
                         scaled_query_rows, sink_rows, start_rows)
+from bpt.varlen import documents, varlen_causal
 
 __all__ = ["blockwise_attention", "segment_ids_from_position_ids"]
 
@@ -109,6 +110,11 @@ def blockwise_attention(
     if not needs_blockwise and _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window,
                                              alibi_slopes, softcap):
         return _sdpa(q, k, v, scale, causal, dropout)
+    if not needs_blockwise and _varlen_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window,
+                                               alibi_slopes, softcap, dropout):
+        layout = documents(segment_ids, q.shape[0], q.shape[2], q.device)
+        if layout is not None:
+            return varlen_causal(q, k, v, scale, layout, sliding_window)
     if dropout and dropout_seed is None:
         dropout_seed = int(torch.randint(2 ** 62, (), dtype=torch.int64))
     return _blockwise(q, k, v, scale=scale, causal=causal, padding_mask=padding_mask,
@@ -260,6 +266,25 @@ def _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, window, slopes, so
     if q.is_cuda:
         return _cuda_fused_kernel_applies(q, k, v, causal and nq > 1, gqa)
     return False  # other backends: not measured
+
+
+def _varlen_handles(q, k, v, causal, padding_mask, segment_ids, window, slopes, softcap, dropout) -> bool:
+    """True for packed documents and / or a sliding window, causal, on CUDA in 16-bit, where torch says its flash
+    kernel takes these inputs: torch's variable-length flash attention computes it (bpt/varlen.py)."""
+    if segment_ids is None and window is None:
+        return False
+    if not causal or padding_mask is not None or slopes is not None or softcap is not None or dropout:
+        return False
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != k.shape[2]:
+        return False
+    if not host_reads_allowed():  # the document lengths are read on the host (tracing, full-graph compile: no)
+        return False
+    if v.shape[-1] != q.shape[-1] or not hasattr(torch.nn.attention, "varlen"):
+        return False
+    from torch.backends import cuda
+
+    params = cuda.SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1])
+    return cuda.flash_sdp_enabled() and cuda.can_use_flash_attention(params, False)
 
 
 def _cuda_fused_kernel_applies(q, k, v, is_causal: bool, gqa: bool) -> bool:

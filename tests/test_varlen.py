@@ -1,0 +1,110 @@
+"""bpt/varlen.py: packed documents and windows routed to torch's variable-length flash attention on CUDA. There is no
+CPU kernel, so the routing is forced here onto a pure-torch stand-in with varlen_attn's contract (flattened tokens,
+cu_seqlens, longest document, window_size=(left, 0), GQA): what our wrapper passes is checked, and its output and
+gradients equal the blockwise path's. The simulated-CUDA tier checks which inputs torch's own predicates route."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.attention.varlen as torch_varlen
+
+import bpt.attention as attention
+from bpt.attention import blockwise_attention, segment_ids_from_position_ids
+
+
+def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                          enable_gqa=False, **_):
+    """varlen_attn's result computed per document: query [T, Hq, D], key / value [T, Hkv, D]."""
+    assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32 and max_q == max_k
+    group = query.shape[1] // key.shape[1]
+    assert enable_gqa == (group > 1)
+    out = torch.empty_like(query)
+    for start, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+        assert end - start <= max_q
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [H, n, D]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        n = end - start
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        left = window_size[0]
+        visible = (j <= i) & ((i - j <= left) if left >= 0 else True)
+        scores = (q @ k.transpose(1, 2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        out[start:end] = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+    return out
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """Force the varlen route on CPU with the stand-in; record what it was called with."""
+    calls = []
+
+    def stand_in(*args, **kwargs):
+        calls.append((args, kwargs))
+        return reference_varlen_attn(*args, **kwargs)
+
+    def on_any_device(q, k, v, causal, padding_mask, segment_ids, window, slopes, softcap, dropout):
+        return ((segment_ids is not None or window is not None) and causal and padding_mask is None
+                and slopes is None and softcap is None and not dropout)
+
+    monkeypatch.setattr(attention, "_varlen_handles", on_any_device)
+    monkeypatch.setattr(torch_varlen, "varlen_attn", stand_in)
+    return calls
+
+
+def qkv(batch=2, heads=4, kv_heads=2, n=40, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, h, n, d, generator=g, requires_grad=True) for h in (heads, kv_heads, kv_heads)]
+
+
+POSITIONS = torch.tensor([list(range(15)) + list(range(20)) + list(range(5)),
+                          list(range(40))])  # three documents in row 0, one in row 1
+
+
+@pytest.mark.parametrize("packed,window", [(True, None), (True, 7), (False, 7)])
+def test_routed_case_equals_the_blockwise_path(routed, packed, window):
+    segments = segment_ids_from_position_ids(POSITIONS) if packed else None
+    q, k, v = qkv()
+    out = blockwise_attention(q, k, v, segment_ids=segments, sliding_window=window, scale=0.3)
+    assert len(routed) == 1
+    (query, key, value, cu_q, cu_k, max_q, max_k), options = routed[0]
+    assert query.shape == (80, 4, 16) and key.shape == (80, 2, 16)
+    expected_cu = [0, 15, 35, 40, 80] if packed else [0, 40, 80]
+    assert cu_q.tolist() == expected_cu and max_q == 40
+    assert options == {"scale": 0.3, "window_size": (-1, 0) if window is None else (window - 1, 0), "enable_gqa": True}
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    expected_out = attention._blockwise(q, k, v, scale=0.3, causal=True, padding_mask=None, segment_ids=segments,
+                                        sliding_window=window, alibi_slopes=None, softcap=None, q_block=16,
+                                        kv_block=16, compile=False)
+    expected = torch.autograd.grad(expected_out, (q, k, v), grad)
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_documents_are_read_once_per_segment_tensor(routed, monkeypatch):
+    segments = segment_ids_from_position_ids(POSITIONS)
+    reads = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: reads.append(1) or real_stack(*a, **k))
+    for _ in range(3):  # three layers of one forward
+        q, k, v = qkv()
+        blockwise_attention(q, k, v, segment_ids=segments)
+    assert len(routed) == 3 and len(reads) == 1
+
+
+def test_ids_that_repeat_apart_stay_blockwise(routed):
+    segments = torch.tensor([[0] * 10 + [1] * 10 + [0] * 20, [0] * 40])  # document 0 resumes: not one run
+    q, k, v = qkv()
+    blockwise_attention(q, k, v, segment_ids=segments)
+    assert routed == []
+
+
+def test_what_varlen_cannot_take_is_not_routed():
+    """The real predicate: CPU, fp32, ALiBi, softcap, padding, dropout, or no documents and no window."""
+    q, k, v = qkv()
+    segments = segment_ids_from_position_ids(POSITIONS)
+    base = dict(causal=True, padding_mask=None, segment_ids=segments, window=None, slopes=None, softcap=None,
+                dropout=0.0)
+    assert not attention._varlen_handles(q, k, v, *base.values())  # CPU tensors
+    meta = [t.detach().to("meta", torch.bfloat16) for t in (q, k, v)]
+    assert not attention._varlen_handles(*meta, *base.values())  # not CUDA
