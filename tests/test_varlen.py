@@ -76,9 +76,8 @@ def test_routed_case_equals_the_blockwise_path(routed, packed, window):
                                         sliding_window=window, alibi_slopes=None, softcap=None, q_block=16,
                                         kv_block=16, compile=False)
     expected = torch.autograd.grad(expected_out, (q, k, v), grad)
-    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip((out, *got), (expected_out, *expected)):  # fp32: within 1e-5 of each tensor's largest value
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
 def test_documents_are_read_once_per_segment_tensor(routed, monkeypatch):
