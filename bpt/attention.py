@@ -55,7 +55,7 @@ from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backwa
                         block_mask_args, check_empty_rows, dropout_keep_mask, empty_rows_backward_step,
                         empty_rows_of, fill_empty_rows, finish_rows, forward_step, host_reads_allowed, make_plan,
                         scaled_query_rows, sink_rows, start_rows)
-from bpt.varlen import documents, varlen_causal
+from bpt.varlen import documents, varlen_available, varlen_causal
 
 __all__ = ["blockwise_attention", "segment_ids_from_position_ids"]
 
@@ -279,7 +279,7 @@ def _varlen_handles(q, k, v, causal, padding_mask, segment_ids, window, slopes, 
         return False
     if not host_reads_allowed():  # the document lengths are read on the host (tracing, full-graph compile: no)
         return False
-    if v.shape[-1] != q.shape[-1] or not hasattr(torch.nn.attention, "varlen"):
+    if v.shape[-1] != q.shape[-1] or not varlen_available():
         return False
     from torch.backends import cuda
 

@@ -18,6 +18,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 _LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # segment ids -> (cu_seqlens, longest document) or None
 
 
+def varlen_available() -> bool:
+    """Whether this torch has `torch.nn.attention.varlen` (2.10 and later)."""
+    try:
+        import torch.nn.attention.varlen  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def documents(segment_ids: Tensor | None, batch: int, length: int, device) -> tuple[Tensor, int] | None:
     """(cu_seqlens [D + 1] int32 over the flattened rows, the longest document), or None when the segment ids are
     not one contiguous run per document (equal ids far apart: the mask varlen cannot express)."""

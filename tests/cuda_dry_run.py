@@ -87,15 +87,20 @@ def autocast(mode: str):
 
 @contextlib.contextmanager
 def counting_paths(paths: Counter):
-    """Count calls of bpt's own kernels beside the routed SDPA's: "blockwise" (one device) and "ring"."""
+    """Count calls of bpt's own kernels beside the routed SDPA's: "blockwise" (one device), "varlen" (torch's
+    variable-length flash kernel for packed documents / windows) and "ring"."""
     import bpt.attention as attention
     import bpt.sequence_parallel.ring as ring
 
-    blockwise, ring_function = attention._blockwise, ring._RingAttention
+    blockwise, ring_function, varlen = attention._blockwise, ring._RingAttention, attention.varlen_causal
 
     def counted_blockwise(*args, **kwargs):
         paths["blockwise"] += 1
         return blockwise(*args, **kwargs)
+
+    def counted_varlen(*args, **kwargs):
+        paths["varlen"] += 1
+        return varlen(*args, **kwargs)
 
     class CountedRing:
         @staticmethod
@@ -103,11 +108,11 @@ def counting_paths(paths: Counter):
             paths["ring"] += 1
             return ring_function.apply(*args)
 
-    attention._blockwise, ring._RingAttention = counted_blockwise, CountedRing
+    attention._blockwise, ring._RingAttention, attention.varlen_causal = counted_blockwise, CountedRing, counted_varlen
     try:
         yield
     finally:
-        attention._blockwise, ring._RingAttention = blockwise, ring_function
+        attention._blockwise, ring._RingAttention, attention.varlen_causal = blockwise, ring_function, varlen
 
 
 def no_host_reads(enabled: bool = True):
@@ -323,26 +328,30 @@ def expect_wide(problems: list, wide: list, kind: str, who: str) -> None:
 
 
 H100 = "h100-80gb"
-KERNEL_OPTIONS = {  # name -> (side inputs, scalar options, dense plan)
-    "padding": (("padding",), {}, True),
-    "padding-oracle-plan": (("padding",), {}, False),  # the plan read through the oracle: no block masked
-    "padding-empty-rows-uniform": (("padding",), {"empty_rows": "uniform"}, True),  # eager stock's empty rows
-    "padding-no-compile": (("padding",), {"compile": False}, True),  # the eager Workspace path
-    "segments": (("segments",), {}, True),
-    "position-ids": (("positions",), {}, True),
-    "sliding-window": ((), {"sliding_window": 1500}, False),
-    "alibi": (("alibi",), {}, False),
-    "key-bias": (("key_bias",), {}, False),
-    "softcap": ((), {"softcap": 30.0}, False),
-    "sinks": (("sinks",), {}, False),
-    "dropout-padding": (("padding",), {"dropout": 0.1}, True),  # dropout on the blockwise path
-    "window-softcap-sinks": (("sinks",), {"sliding_window": 1500, "softcap": 30.0}, False),  # gpt-oss / gemma2-like
+KERNEL_OPTIONS = {  # name -> (side inputs, scalar options, dense plan, path)
+    "padding": (("padding",), {}, True, "blockwise"),
+    "padding-oracle-plan": (("padding",), {}, False, "blockwise"),  # the plan read through the oracle: no block masked
+    "padding-empty-rows-uniform": (("padding",), {"empty_rows": "uniform"}, True, "blockwise"),  # eager's empty rows
+    "padding-no-compile": (("padding",), {"compile": False}, True, "blockwise"),  # the eager Workspace path
+    # packed documents and windows: torch's varlen flash kernel (the document lengths read once), blockwise where
+    # no data may be read (dense: as under torch.compile)
+    "segments": (("segments",), {}, True, "blockwise"),
+    "segments-varlen": (("segments",), {}, False, "varlen"),
+    "position-ids": (("positions",), {}, True, "blockwise"),
+    "position-ids-varlen": (("positions",), {}, False, "varlen"),
+    "sliding-window": ((), {"sliding_window": 1500}, False, "varlen"),
+    "alibi": (("alibi",), {}, False, "blockwise"),
+    "key-bias": (("key_bias",), {}, False, "blockwise"),
+    "softcap": ((), {"softcap": 30.0}, False, "blockwise"),
+    "sinks": (("sinks",), {}, False, "blockwise"),
+    "dropout-padding": (("padding",), {"dropout": 0.1}, True, "blockwise"),  # dropout on the blockwise path
+    "window-softcap-sinks": (("sinks",), {"sliding_window": 1500, "softcap": 30.0}, False, "blockwise"),  # gpt-oss
 }
 
 # every option in bf16 autocast; in fp16 autocast and bf16 weights the options whose inputs or gradients have dtypes of
 # their own (masks, slopes, biases, sinks, dropout's keep-masks, empty rows)
-OTHER_MODE_OPTIONS = ("padding", "padding-empty-rows-uniform", "segments", "alibi", "key-bias", "sinks",
-                      "dropout-padding", "window-softcap-sinks")
+OTHER_MODE_OPTIONS = ("padding", "padding-empty-rows-uniform", "segments", "position-ids-varlen", "alibi", "key-bias",
+                      "sinks", "dropout-padding", "window-softcap-sinks")
 for _mode in TRAINING_MODES:
     # plain causal with GQA: FlashAttention (SDPA, enable_gqa) on an H100, never the blockwise kernel
     case("attention", f"plain-gqa/{_mode}")(
@@ -351,12 +360,12 @@ for _mode in TRAINING_MODES:
         lambda mode=_mode: run_attention(H100, mode, "sdpa-flash", hkv=HQ, reference=sdpa_reference))
     case("attention", f"dropout/{_mode}")(  # SDPA's own dropout
         lambda mode=_mode: run_attention(H100, mode, "sdpa-flash", dropout=0.1, reference=sdpa_reference))
-    for _name, (_names, _scalars, _dense) in KERNEL_OPTIONS.items():
+    for _name, (_names, _scalars, _dense, _path) in KERNEL_OPTIONS.items():
         if _mode != "bf16-autocast" and _name not in OTHER_MODE_OPTIONS:
             continue
         case("attention", f"{_name}/{_mode}")(
-            lambda mode=_mode, names=_names, scalars=_scalars, dense=_dense:
-            run_attention(H100, mode, "blockwise", names=names, dense=dense, **scalars))
+            lambda mode=_mode, names=_names, scalars=_scalars, dense=_dense, path=_path:
+            run_attention(H100, mode, path, names=names, dense=dense, **scalars))
 
 # fp32: no flash kernel takes it; memory-efficient SDPA does, but not with grouped-query heads
 case("attention", "plain-mha/fp32")(lambda: run_attention(H100, "fp32", "sdpa-efficient", hkv=HQ,
@@ -801,7 +810,7 @@ SP_OPTIONS = {  # name -> (side inputs, scalars, dense, ring path, ulysses path)
     "plain": ((), {}, False, "ring", "sdpa-flash"),
     "padding": (("padding",), {}, True, "ring", "blockwise"),
     "segments": (("segments",), {}, True, "ring", "blockwise"),
-    "sliding-window": ((), {"sliding_window": 1500}, False, "ring", "blockwise"),
+    "sliding-window": ((), {"sliding_window": 1500}, False, "ring", "varlen"),  # Ulysses' whole-sequence attention
     "alibi": (("alibi",), {}, False, "ring", "blockwise"),
     "softcap": ((), {"softcap": 30.0}, False, "ring", "blockwise"),
     "sinks": (("sinks",), {}, False, "ring", "blockwise"),

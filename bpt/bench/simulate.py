@@ -49,20 +49,24 @@ def transformers_sees_real_tensors():
 
 @contextlib.contextmanager
 def counting_blockwise_calls(paths):
-    """Count calls of the patch's own blockwise kernel (the attention path that is not SDPA)."""
+    """Count calls of the attention paths that are not SDPA: the patch's blockwise kernel and torch's varlen one."""
     import bpt.attention as attention
 
-    inner = attention._blockwise
+    inner, varlen = attention._blockwise, attention.varlen_causal
 
     def counted(*args, **kwargs):
         paths["blockwise"] += 1
         return inner(*args, **kwargs)
 
-    attention._blockwise = counted
+    def counted_varlen(*args, **kwargs):
+        paths["varlen"] += 1
+        return varlen(*args, **kwargs)
+
+    attention._blockwise, attention.varlen_causal = counted, counted_varlen
     try:
         yield
     finally:
-        attention._blockwise = inner
+        attention._blockwise, attention.varlen_causal = inner, varlen
 
 
 def build_simulated_model(spec: dict, layers: int):
