@@ -118,7 +118,7 @@ def test_cuda_packed_bf16_takes_varlen_and_is_no_worse_than_blockwise(monkeypatc
     calls = []
     real = attention.varlen_causal
     monkeypatch.setattr(attention, "varlen_causal", lambda *a, **k: calls.append(1) or real(*a, **k))
-    segments = segment_ids_from_position_ids(POSITIONS.repeat(1, 32)).cuda()  # 1280 tokens, 4 + 32 documents
+    segments = segment_ids_from_position_ids(POSITIONS.repeat(1, 32)).cuda()  # 1280 tokens: 96 and 32 documents
     q, k, v = (t.detach().cuda().repeat(1, 1, 32, 4) for t in qkv())  # head dim 64
     grad = torch.randn_like(q)
 
