@@ -123,8 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--lora_targets", type=lambda s: [t for t in s.split(",") if t], default=None,
                      help="with --lora: comma-separated module names to adapt (default: every linear layer)")
     sim.add_argument("--lora_dropout", type=float, default=0.0, help="with --lora and --simulate")
-    sim.add_argument("--packed_documents", type=int, default=0,
-                     help="with --simulate: documents per row, packed (position ids restart at each; default: one)")
     sim.add_argument("--layers", type=int, default=None,
                      help="with --simulate: simulate L and L+1 decoder layers and extrapolate the (linear) peak to "
                           "the model's depth, reported as extrapolated (default: the full depth)")
@@ -150,10 +148,8 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         p.error(f"--torch_threads must be positive, got {args.torch_threads}")
     if args.simulate is not None:
         validate_simulate(p, args)
-    elif any((args.lora_targets, args.lora_dropout, args.layers, args.calibrate, args.bits != 16,
-              args.packed_documents)):
-        p.error("--bits, --lora_targets, --lora_dropout, --layers, --packed_documents and --calibrate go with "
-                "--simulate DEVICE")
+    elif any((args.lora_targets, args.lora_dropout, args.layers, args.calibrate, args.bits != 16)):
+        p.error("--bits, --lora_targets, --lora_dropout, --layers and --calibrate go with --simulate DEVICE")
     if args.find_max and args.max_len is None:
         p.error("--find_max needs --max_len (the cap for doubling the length)")
     if args.max_len is not None and args.max_len <= 0:

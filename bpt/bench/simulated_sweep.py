@@ -29,7 +29,7 @@ def simulation_spec(args: argparse.Namespace, model_config: dict, side: str, seq
         "bits": bits, "batch_size": args.batch_size, "gradient_checkpointing": args.gradient_checkpointing,
         "lora": args.lora, "lora_r": args.lora_r, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
         "layers": args.layers, "top": args.top, "bpt": asdict(args.bpt), "malloc": args.malloc,
-        "threads": args.torch_threads, "packed_documents": args.packed_documents,
+        "threads": args.torch_threads,
     }
 
 
