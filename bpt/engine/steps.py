@@ -1,5 +1,6 @@
 """Per-block math: fold one key/value block into query rows' online softmax (forward), or add its gradients
-(backward); these are the torch.compile candidates. Also how they run: autocast off, reused score buffers.
+(backward); these are the torch.compile candidates. Also how they run: autocast off, reused score buffers, and in
+which dtype the block matmuls take their inputs (`low_precision_matmuls`).
 """
 from __future__ import annotations
 
@@ -56,6 +57,41 @@ class Workspace:
         return buf[:numel].view(shape)
 
 
+def low_precision_matmuls(k: Tensor) -> bool:
+    """Whether the block matmuls take fp16 / bf16 inputs into fp32 products (tensor cores, FlashAttention's
+    precision: probabilities and dS rounded to the inputs' dtype before their matmuls): on CUDA. Elsewhere inputs are
+    upcast first (the CPU has no such kernel, and a bf16 CPU matmul rounds its output)."""
+    return k.is_cuda and k.dtype in (torch.float16, torch.bfloat16)
+
+
+def _matmul_dtype(qs: Tensor, kb: Tensor) -> torch.dtype:
+    return kb.dtype if low_precision_matmuls(kb) else qs.dtype
+
+
+def _matmul(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """Batched a @ b in fp32 (fp64 for fp64): low-precision inputs give an fp32 product."""
+    if a.dtype not in (torch.float16, torch.bfloat16):
+        return torch.bmm(a, b, out=out)
+    if a.is_cuda:
+        return torch.bmm(a, b, out_dtype=torch.float32, out=out)
+    return torch.bmm(a.float(), b.float(), out=out)  # the exact products a tensor core sums (tests on CPU)
+
+
+def _bias_matmul(bias: Tensor, a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """bias + a @ b (bias in the accumulation dtype)."""
+    if a.dtype == bias.dtype:
+        return torch.baddbmm(bias, a, b, out=out)
+    return _matmul(a, b, out).add_(bias)  # (baddbmm has no out_dtype that fake tensors take)
+
+
+def _add_matmul_(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b, a cast to b's dtype (acc in the accumulation dtype)."""
+    if b.dtype == acc.dtype:
+        acc.baddbmm_(a, b)
+    else:
+        acc.add_(_matmul(a.to(b.dtype), b))
+
+
 def _view5(s: Tensor, groups: int, batch: int) -> Tensor:
     """[BH, G * bq, bk] -> [B, Hkv, G, bq, bk] (a view)."""
     return s.view(batch, s.shape[0] // batch, groups, s.shape[1] // groups, s.shape[2])
@@ -110,7 +146,8 @@ def forward_step(qs, kb, vb, m, l, acc, s_buf, keep, rel0, causal, window, slope
     s_buf: None or a reusable [BH, R, bk] buffer for the scores; keep: None or the block's scaled
     dropout keep-mask [BH, R, bk]; the rest from block_mask_args.
     """
-    s = torch.bmm(qs, kb.to(qs.dtype).transpose(1, 2), out=s_buf)  # [BH, R, bk]
+    mm = _matmul_dtype(qs, kb)
+    s = _matmul(qs.to(mm), kb.to(mm).transpose(1, 2), out=s_buf)  # [BH, R, bk], accumulation dtype
     if softcap is not None:
         s.div_(softcap).tanh_().mul_(softcap)
     s5 = _view5(s, groups, batch)
@@ -127,7 +164,7 @@ def forward_step(qs, kb, vb, m, l, acc, s_buf, keep, rel0, causal, window, slope
     l.mul_(alpha).add_(p.sum(-1))  # the normaliser counts dropped probabilities too
     if keep is not None:
         p.mul_(keep)
-    acc.mul_(alpha.unsqueeze(-1)).baddbmm_(p, vb.to(p.dtype))
+    _add_matmul_(acc.mul_(alpha.unsqueeze(-1)), p, vb.to(mm))
     m.copy_(m_new)
 
 
@@ -142,12 +179,13 @@ def backward_step(qs, kb, vb, dob, neg_lse, neg_delta, dq, dk, dv, s_buf, ds_buf
     keep: None or the forward's dropout keep-mask Z (scaled): dV = (P Z)^T dO, dP = (dO V^T) Z, and
     delta = rowsum(dO * O) still equals rowsum(P * dP) because O was computed with the same Z.
     """
-    kb, vb = kb.to(qs.dtype), vb.to(qs.dtype)
+    mm = _matmul_dtype(qs, kb)
+    kb, vb, qm, dom = kb.to(mm), vb.to(mm), qs.to(mm), dob.to(mm)  # matmul inputs
     dcap = None
     if softcap is None:
-        s = torch.baddbmm(neg_lse.unsqueeze(-1), qs, kb.transpose(1, 2), out=s_buf)  # s - lse, [BH, R, bk]
+        s = _bias_matmul(neg_lse.unsqueeze(-1), qm, kb.transpose(1, 2), out=s_buf)  # s - lse, [BH, R, bk]
     else:
-        tanh = torch.bmm(qs, kb.transpose(1, 2)).div_(softcap).tanh_()
+        tanh = _matmul(qm, kb.transpose(1, 2)).div_(softcap).tanh_()
         s = torch.mul(tanh, softcap, out=s_buf).add_(neg_lse.unsqueeze(-1))
         dcap = tanh.mul_(tanh).neg_().add_(1)  # d(c * tanh(x / c)) / dx = 1 - tanh^2
     s5 = _view5(s, groups, batch)
@@ -159,12 +197,12 @@ def backward_step(qs, kb, vb, dob, neg_lse, neg_delta, dq, dk, dv, s_buf, ds_buf
         s5.masked_fill_(hidden, 0.0)
     # dS = P * (dP - delta), dP = dO @ V^T (times the keep-mask under dropout)
     if keep is None:
-        dv.baddbmm_(p.transpose(1, 2), dob)
-        ds = torch.baddbmm(neg_delta.unsqueeze(-1), dob, vb.transpose(1, 2), out=ds_buf).mul_(p)
+        _add_matmul_(dv, p.transpose(1, 2), dom)
+        ds = _bias_matmul(neg_delta.unsqueeze(-1), dom, vb.transpose(1, 2), out=ds_buf).mul_(p)
     else:
-        ds = torch.bmm(dob, vb.transpose(1, 2), out=ds_buf).mul_(keep).add_(neg_delta.unsqueeze(-1)).mul_(p)
-        dv.baddbmm_(p.mul_(keep).transpose(1, 2), dob)
+        ds = _matmul(dom, vb.transpose(1, 2), out=ds_buf).mul_(keep).add_(neg_delta.unsqueeze(-1)).mul_(p)
+        _add_matmul_(dv, p.mul_(keep).transpose(1, 2), dom)
     if dcap is not None:
         ds.mul_(dcap)
-    dq.baddbmm_(ds, kb)
-    dk.baddbmm_(ds.transpose(1, 2), qs)
+    _add_matmul_(dq, ds, kb)
+    _add_matmul_(dk, ds.transpose(1, 2), qm)
