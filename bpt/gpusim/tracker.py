@@ -109,7 +109,8 @@ class AllocationTracker(TorchDispatchMode):
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
             first = next(t for t in tree_leaves(args) if isinstance(t, torch.Tensor))
-            self.flops[str(first.dtype).removeprefix("torch.")] += formula(*args, **kwargs, out_val=out)
+            shapes = [a for a in args if not isinstance(a, torch.dtype)]  # bmm(..., out_dtype): torch's formula has none
+            self.flops[str(first.dtype).removeprefix("torch.")] += formula(*shapes, **kwargs, out_val=out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._add(t)
