@@ -99,6 +99,24 @@ def checkpointed(model) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
+def checkpointed_without_reentrancy(model) -> bool:
+    """Every checkpointed module uses torch's non-reentrant checkpoint (transformers' default): its layers' LoRA
+    weights get their gradients whether or not the layer's input requires grad."""
+    functions = [getattr(m, "_gradient_checkpointing_func", None) for m in model.modules()
+                 if getattr(m, "gradient_checkpointing", False)]
+    return bool(functions) and all(getattr(f, "keywords", {}).get("use_reentrant") is False for f in functions)
+
+
+def _embedding_output_not_a_leaf(module, inputs, output):
+    """transformers' `enable_input_require_grads` (on with every checkpointed model) makes a frozen embedding's
+    output a leaf that requires grad, only so that reentrant checkpointing sees an input requiring grad. Autograd
+    keeps such a leaf alive until backward ends, on the device, whatever the saved-tensor hooks do: [B, N, hidden],
+    as large as a checkpoint. Without reentrancy nothing needs its gradient, so the layers get a detached view."""
+    if isinstance(output, torch.Tensor) and output.is_leaf and output.requires_grad:
+        return output.detach()
+    return None
+
+
 def offloading_forward(model, original, width: int):
     """`model.forward` that runs `original` under a fresh CheckpointOffload when it trains (grad enabled, train
     mode); refuses to train without gradient checkpointing (everything would be offloaded, very slowly)."""
@@ -115,7 +133,13 @@ def offloading_forward(model, original, width: int):
                                "trains without gradient checkpointing: call model.gradient_checkpointing_enable() "
                                "(train.qlora: drop --no_gradient_checkpointing) or patch without offload_checkpoints")
         offload = CheckpointOffload(shape[0] * shape[1], width, shape)
-        with offload.hooks():
-            return original(*args, **kwargs)
+        embedding = model.get_input_embeddings() if checkpointed_without_reentrancy(model) else None
+        leaf_cut = embedding.register_forward_hook(_embedding_output_not_a_leaf) if embedding is not None else None
+        try:
+            with offload.hooks():
+                return original(*args, **kwargs)
+        finally:
+            if leaf_cut is not None:
+                leaf_cut.remove()
 
     return forward

@@ -72,6 +72,33 @@ def test_bitwise_equal_to_no_offload(variant):
         assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_frozen_embedding_output_is_not_kept_on_the_device(reentrant):
+    """transformers makes a frozen embedding's output a leaf requiring grad (for reentrant checkpointing); autograd
+    would keep that [B, N, hidden] alive on the device until backward. Without reentrancy offload drops it, with
+    reentrancy it must stay (the layers' LoRA gradients flow through it); gradients bitwise either way."""
+    import weakref
+
+    def build():
+        model = lora(tiny_model("llama"))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return model.train()
+
+    resident, model = build(), build()
+    model.load_state_dict(resident.state_dict())
+    apply_bpt_patch(resident, **SMALL_BLOCKS)
+    apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True)
+    inputs = make_batch("plain")
+    outputs = []
+    model.get_input_embeddings().register_forward_hook(lambda m, i, out: outputs.append(weakref.ref(out)))
+    loss = model(**inputs).loss
+    assert len(outputs) == 1 and (outputs[0]() is not None) == reentrant
+    if outputs[0]() is not None:
+        assert outputs[0]().is_leaf and outputs[0]().requires_grad
+    del loss
+    assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
+
+
 def test_every_layer_input_goes_to_the_host_and_comes_back_one_ahead(monkeypatch):
     recorder = Recorder(monkeypatch)
     model = checkpointed(tiny_model("llama"))
