@@ -34,10 +34,22 @@ class Family:
     # that carry state across: the hybrids). The patch equals stock either way; train.qlora refuses to pack these
     # (--no_packing). tests/test_packing.py checks every row against stock's behaviour.
     packing: bool = True
+    # The transformers release from which stock keeps them apart, where an older one let them mix (`packing` then
+    # says what the older releases did): `packs()` answers for the installed one.
+    packing_since: str | None = None
     # Per-token norms (RMSNorm, LayerNorm, q-k norms) run through bpt.norm.lean_norm: input saved, the fp32
     # temporaries recomputed one chunk at a time in backward (patches/norms.py says which modules count).
     # False leaves a family's norms stock.
     lean_norms: bool = True
+
+    def packs(self) -> bool:
+        """Whether stock transformers, as installed, keeps packed documents apart for this family."""
+        if self.packing_since is None:
+            return self.packing
+        import transformers
+        from packaging.version import Version
+
+        return Version(transformers.__version__) >= Version(self.packing_since)
 
     def attention_of(self, layer):
         """The decoder layer's attention module; None for a hybrid row's recurrent layer (no attention attribute,
@@ -61,7 +73,7 @@ FAMILIES: dict[str, Family] = {
     "bloom": Family(base="transformer", layers="h", attention="self_attention", bound_attention="bloom",
                     packing=False),
     "falcon": Family(base="transformer", layers="h", attention="self_attention", bound_attention="falcon",
-                     packing=False),
+                     packing=False, packing_since="5.24.0"),
     # MPT: ALiBi inside its own forward (bound like Bloom / Falcon); its MLP takes (hidden, residual).
     "mpt": Family(base="transformer", layers="blocks", attention="attn", mlp="ffn", bound_attention="mpt",
                   packing=False),

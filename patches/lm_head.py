@@ -15,7 +15,8 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
     """Replacement for `model.forward`. Without labels it is the stock forward (logits as usual);
     with labels it runs the base model and the chunked LM head + cross entropy, returning
     `loss` with `logits=None`. In eval mode with `options.eval_logits`, labels too go through the
-    stock forward (logits and stock's loss), so evaluation metrics see what they see unpatched."""
+    stock forward (logits and stock's loss), so evaluation metrics see what they see unpatched; shift_labels
+    without labels (a sequence-parallel shard's) always take the chunked loss."""
     signature = inspect.signature(original)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     softcap = getattr(model.config, family.logit_softcap, None) if family.logit_softcap else None
@@ -28,8 +29,8 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
         _check_positions(model, family, arguments)
         if labels is None and extra.get("shift_labels") is None:
             return original(*args, **kwargs)
-        if options.eval_logits and not model.training:
-            return original(*args, **kwargs)
+        if options.eval_logits and not model.training and labels is not None:
+            return original(*args, **kwargs)  # (stock computes no loss from shift_labels alone: the split path's)
         if arguments.get("output_router_logits") or getattr(model.config, "output_router_logits", False):
             raise NotImplementedError("the MoE router auxiliary loss is not computed by the patched loss; "
                                       "set output_router_logits=False or train unpatched")

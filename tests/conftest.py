@@ -9,6 +9,25 @@ import torch
 # tests share tiny model builders (tests/tiny_models.py); keep CPU threads modest on small CI machines
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The README's test command runs two pytest-xdist workers (`-n 2 --dist loadgroup`): on a 2-core machine each takes one
+# core, one thread each (tiny models gain nothing from a second thread).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+# Modules whose tests start several processes (gloo groups, accelerate / torchrun launches, signals sent on a
+# timer): they run one after another on one worker, so no two launches race for a port or for both cores.
+PROCESS_MODULES = {
+    "test_bench_sequence_parallel", "test_cli_errors", "test_cli_signals", "test_qlora_cli", "test_qlora_fsdp",
+    "test_qlora_sequence_parallel", "test_ring_attention", "test_sequence_parallel_model",
+    "test_split_eval", "test_trainer_sequence_parallel", "test_ulysses_attention",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ in PROCESS_MODULES:
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing softly".split()
 
 

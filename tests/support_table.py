@@ -100,7 +100,7 @@ def support_rows() -> dict[str, dict[str, str]]:
         configs = [AutoConfig.for_model(model_type), *tiny_configs]
         built = [_built(c, family) for c in tiny_configs]
         marks = {
-            "padding": True, "packing": family.packing,
+            "padding": True, "packing": family.packs(),
             "window": any(_window(c) for c in configs),
             "softcap": any(_softcap(c, family) for c in configs),
             "sinks": any(sinks for sinks, _ in built),

@@ -28,8 +28,9 @@ def test_packing_field_matches_stock(name):
                  for ids in (inputs["input_ids"], changed)]
     moved = ((later[1] - later[0]).abs().max() / later[0].abs().max()).item()
     kept_apart = moved < 1e-5  # float noise; documents that mix move by 1e-3 and more
-    assert FAMILIES[model.config.model_type].packing == kept_apart, (
-        f"{name}: the later documents moved by {moved:.1e} of the logits' scale; set Family.packing to {kept_apart}")
+    assert FAMILIES[model.config.model_type].packs() == kept_apart, (
+        f"{name}: the later documents moved by {moved:.1e} of the logits' scale; set Family.packing to {kept_apart} "
+        f"(or packing_since to the transformers release that changed it)")
 
 
 def test_cli_refuses_to_pack_a_family_that_mixes_documents(tiny, tmp_path, capsys):

@@ -63,7 +63,7 @@ def check_packing(config, packing: bool) -> None:
     from patches import FAMILIES
 
     family = FAMILIES.get(getattr(config, "model_type", None))
-    if packing and family is not None and not family.packing:
+    if packing and family is not None and not family.packs():
         raise UserError(f"{config.model_type} models let packed documents attend to each other (stock transformers "
                         "builds their attention without the restarting position ids, or carries recurrent state "
                         "across documents); pass --no_packing to train one document per row")

@@ -1,0 +1,61 @@
+"""train.split_eval on 2 real gloo processes vs one process: the split loss equals the whole sequence's loss, and
+split greedy decoding (no KV cache) produces the tokens of `model.generate` with its cache, ring and Ulysses, with and
+without the patch's eval logits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gloo_processes import run_on_ranks
+from patches import apply_bpt_patch
+from test_patches import SMALL_BLOCKS
+from tiny_models import VOCAB, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CASES = [(mode, eval_logits) for mode in ("ring", "ulysses") for eval_logits in (True, False)]
+NEW_TOKENS = 5
+
+
+def _model(eval_logits: bool):
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    apply_bpt_patch(model, **SMALL_BLOCKS, eval_logits=eval_logits)
+    return model.eval()
+
+
+def _inputs():
+    generator = torch.Generator().manual_seed(3)
+    documents = torch.randint(3, VOCAB, (2, 45), generator=generator)  # 45: not a multiple of 2 x 2 (padded shards)
+    prompts = torch.randint(3, VOCAB, (2, 37), generator=generator)
+    return documents, prompts
+
+
+def _on_rank(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from train.split_eval import SplitEval, split_greedy, split_loss
+
+    documents, prompts = _inputs()
+    results = {}
+    for mode, eval_logits in CASES:
+        model = _model(eval_logits)
+        split = SplitEval(dist.group.WORLD, mode)
+        results[(mode, eval_logits)] = (split_loss(model, documents, split).item(),
+                                        split_greedy(model, prompts, NEW_TOKENS, split))
+    return results
+
+
+def test_split_loss_and_greedy_equal_one_process(tmp_path):
+    per_rank = run_on_ranks(_on_rank, 2, str(tmp_path))
+    documents, prompts = _inputs()
+    for mode, eval_logits in CASES:
+        model = _model(eval_logits)
+        with torch.no_grad():
+            loss = model(input_ids=documents, labels=documents).loss.item()
+            generated = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                                       max_new_tokens=NEW_TOKENS, pad_token_id=0)[:, prompts.shape[1]:]
+        for rank_result in per_rank:
+            split_loss_value, split_tokens = rank_result[(mode, eval_logits)]
+            assert abs(split_loss_value - loss) <= 1e-5 * abs(loss), (mode, eval_logits, split_loss_value, loss)
+            assert torch.equal(split_tokens, generated), (mode, eval_logits)
