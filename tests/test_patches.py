@@ -151,13 +151,22 @@ def _dense_from_inputs(mask: BlockMaskInputs, batch: int) -> torch.Tensor:
     return dense
 
 
+def _packed_as_stock_builds_it(mask_function, position_ids, document_ids):
+    """transformers' mask function for packed documents: positions restarted per document, and the same document."""
+    import transformers.masking_utils as masking
+
+    if hasattr(masking, "packed_sequence_compatibility_function"):  # transformers < 5.24
+        return masking.packed_sequence_compatibility_function(mask_function, position_ids, document_ids)
+    return masking.and_masks(masking.remap_positions_for_packed_sequence(mask_function, position_ids),
+                             masking.packed_sequence_mask_function(document_ids))
+
+
 @pytest.mark.parametrize("case", ["plain", "left_padded", "right_padded", "packed", "cache_offset"])
 def test_chunked_mask_is_not_a_window(case):
     """Llama 4's chunked attention (attention_chunk_size C: causal and same chunk) is handed to the mask interface
     with local_size=C, like a sliding window; bpt_mask must build the chunked mask (segment ids per chunk), not a
     window of C. Compared with transformers' own dense mask for the same arguments."""
-    from transformers.masking_utils import (chunked_causal_mask_function, packed_sequence_compatibility_function,
-                                            sdpa_mask)
+    from transformers.masking_utils import chunked_causal_mask_function, sdpa_mask
 
     from patches.masks import bpt_mask
 
@@ -175,7 +184,7 @@ def test_chunked_mask_is_not_a_window(case):
     if case == "packed":
         position_ids = make_batch("packed", batch=batch)["position_ids"]
         starts = torch.nn.functional.pad(position_ids[:, 1:] != position_ids[:, :-1] + 1, (1, 0))
-        mask_function = packed_sequence_compatibility_function(mask_function, position_ids, starts.cumsum(-1))
+        mask_function = _packed_as_stock_builds_it(mask_function, position_ids, starts.cumsum(-1))
     elif case == "cache_offset":  # 13 new queries after 32 cached keys
         q_length, q_offset = 13, 32
     args = dict(batch_size=batch, q_length=q_length, kv_length=length, q_offset=q_offset, kv_offset=0,
