@@ -1,9 +1,10 @@
-"""`python -m train.eval`: passkey retrieval accuracy and long-document perplexity (train.metrics) of a model.
+"""`python -m train.eval`: passkey retrieval and RULER-style task accuracy (train.tasks) and long-document
+perplexity (train.metrics) of a model.
 
     python -m train.eval --adapter DIR                       # the model a train.qlora run trained, as it trained it
     python -m train.eval --model_name_or_path M [--rope_scaling yarn --rope_factor 4] [--bits 4]
-        [--lengths 256 1024] [--depths 0 0.5 1] [--trials N] [--dataset FILE --text_field text]
-        [--max_seq_len N] [--output_json F]
+        [--tasks passkey niah_multikey variable_tracking] [--lengths 256 1024] [--depths 0 0.5 1] [--trials N]
+        [--dataset FILE --text_field text] [--max_seq_len N] [--output_json F]
 
 --adapter DIR reads the run's own files: its base model, RoPE scaling and bits from run_info.json (for
 a directory without one, such as checkpoint-N, the base from peft's adapter_config.json), and, unless
@@ -11,7 +12,8 @@ given, the passkey settings of the run's own evaluation, so it reproduces eval.j
 override the run; one that contradicts it prints a warning line. RoPE flags are applied by
 train.rope, exactly as training applies them. With neither --adapter nor a model named
 it evaluates the tiny model shipped in train/assets/tiny-llama. The results go to --output_json, by default
-DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.json.
+DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.json: one entry per task under
+"tasks" (each {"by_length_depth", "by_length", "accuracy"}), and passkey's also at the top level, as before tasks.
 Flags follow train.qlora's conventions (train.args): a mistake is one `error:` line, exit 2.
 """
 from __future__ import annotations
@@ -28,8 +30,9 @@ from train import run_dir
 from train.args import TINY_LLAMA_DIR, _opt, build_parser, parse_tokens
 from train.errors import UserError
 from train.lifecycle import silence_library_noise
-from train.metrics import EVAL_SEED, check_passkey_lengths, format_table, passkey_accuracy, perplexity
+from train.metrics import EVAL_SEED, format_table, perplexity
 from train.rope import ROPE_TYPES, check_rope_flags, set_rope_scaling
+from train.tasks import DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks
 
 DEFAULT_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 DEFAULT_OUTPUT_DIR = "outputs/eval"  # results of a model evaluated without --adapter: <model directory name>.json
@@ -52,6 +55,9 @@ class EvalArgs:
     bits: int | None = _opt(None, "Base weights: 4 = NF4, 8 = int8, 16 = unquantised (default: the run's, else 16).",
                             choices=(4, 8, 16))
     load_in_4bit: bool = _opt(False, "Same as --bits 4.")
+    tasks: list[str] | None = _opt(
+        None, f"Tasks to evaluate, each a table of accuracy by length x depth (train.tasks): {', '.join(TASKS)} "
+        "(default: the run's --eval_tasks, else passkey).")
     lengths: list[int] | None = _opt(None, "Passkey context lengths (default: the run's evaluation, else 256 1024).")
     depths: list[float] | None = _opt(
         None, f"Passkey depths (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))}).")
@@ -117,14 +123,15 @@ def fill_passkey_defaults(args: EvalArgs, info: dict | None) -> None:
     has them, so `--adapter DIR` alone reproduces the run's eval.json "after"; else the defaults."""
     trained = (info or {}).get("args") or {}
     if "max_seq_len" in trained:
-        defaults = {"lengths": trained.get("eval_lengths") or [trained["max_seq_len"]],
+        defaults = {"tasks": trained.get("eval_tasks") or DEFAULT_TASKS,
+                    "lengths": trained.get("eval_lengths") or [trained["max_seq_len"]],
                     "depths": trained.get("eval_depths") or DEFAULT_DEPTHS,
                     "trials": trained.get("eval_trials") or 5, "seed": EVAL_SEED}
     else:
-        defaults = {"lengths": [256, 1024], "depths": DEFAULT_DEPTHS, "trials": 5, "seed": 0}
+        defaults = {"tasks": DEFAULT_TASKS, "lengths": [256, 1024], "depths": DEFAULT_DEPTHS, "trials": 5, "seed": 0}
     for name, value in defaults.items():
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, list(value) if isinstance(value, list) else value)
 
 
 def _scale_rope(config, args: EvalArgs, run) -> None:
@@ -181,7 +188,7 @@ def load_for_eval(args: EvalArgs, output: str | None = None):
 
     plan = plan_model(args)
     tokenizer = load_tokenizer(plan.tokenizer_source, plan.trust_remote_code)
-    check_passkey_lengths(tokenizer, args.lengths)
+    check_task_lengths(tokenizer, args.tasks, args.lengths)
     if output is not None:
         run_dir.check_writable(os.path.dirname(output) or ".", "--output_json's directory")
     return _load_weights(plan), tokenizer
@@ -203,6 +210,10 @@ def parse_args(argv=None) -> EvalArgs:
     args = EvalArgs(**parse_tokens(parser, sys.argv[1:] if argv is None else [str(a) for a in argv]))
     if args.load_in_4bit:
         args.bits = 4
+    if args.tasks is not None:
+        args.tasks = check_task_names(args.tasks)
+    if any(not 0 <= depth <= 1 for depth in args.depths or []):
+        raise UserError(f"--depths must be fractions in [0, 1], got {args.depths}")
     if (args.trials is not None and args.trials < 1) or any(length < 1 for length in args.lengths or []):
         raise UserError("--trials and every --lengths value must be positive integers")
     for name in ("batch_size", "max_docs", "max_seq_len"):
@@ -223,9 +234,12 @@ def output_path(args: EvalArgs) -> str:
 def run(args: EvalArgs) -> dict:
     output = output_path(args)
     model, tokenizer = load_for_eval(args, output)
-    result = passkey_accuracy(model, tokenizer, lengths=args.lengths, depths=args.depths,
-                              trials=args.trials, seed=args.seed, batch_size=args.batch_size)
-    print(format_table(result))
+    tasks = evaluate_tasks(model, tokenizer, args.tasks, lengths=args.lengths, depths=args.depths,
+                           trials=args.trials, seed=args.seed, batch_size=args.batch_size)
+    result = dict(tasks.get("passkey", {}))  # passkey at the top level too, as before there were tasks
+    result["tasks"] = tasks
+    for name, task_result in tasks.items():
+        print(format_table(task_result, name))
     if args.dataset:
         from train.data import load_text_dataset
 
