@@ -160,8 +160,8 @@ class TrainArguments:
 class EvalArguments:
     """Evaluation before and after training"""
 
-    eval_passkey: bool = _opt(False, "Evaluate before and after training (eval.json): the --eval_tasks, by default "
-                              "passkey retrieval accuracy.")
+    eval_passkey: bool = _opt(False, "Evaluate before and after training (eval.json): the --eval_tasks (passkey "
+                              "retrieval accuracy unless given).")
     eval_tasks: list[str] | None = _opt(
         None, "Tasks of the evaluation before and after training (train.tasks: passkey, niah_single, niah_multikey, "
         "niah_multivalue, niah_multiquery, variable_tracking, ...); giving them turns the evaluation on. Default: "

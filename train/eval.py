@@ -30,7 +30,7 @@ from train import run_dir
 from train.args import TINY_LLAMA_DIR, _opt, build_parser, parse_tokens
 from train.errors import UserError
 from train.lifecycle import silence_library_noise
-from train.metrics import EVAL_SEED, format_table, perplexity
+from train.metrics import EVAL_SEED, format_perplexity, format_table, perplexity_by_position
 from train.rope import ROPE_TYPES, check_rope_flags, set_rope_scaling
 from train.tasks import DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks
 
@@ -69,6 +69,9 @@ class EvalArgs:
     text_field: str = _opt("text", "Column of --dataset holding the documents.")
     max_seq_len: int | None = _opt(None, "Perplexity context (default: the largest --lengths).")
     max_docs: int = _opt(100, "At most this many documents of --dataset are scored.")
+    ppl_buckets: int = _opt(8, "Perplexity is also reported for this many equal ranges of positions in a chunk "
+                            "([0, L/8), [L/8, L/4), ... with 8): whether the model uses the far context. Each range "
+                            "is one forward per chunk; 1 for a single forward.")
     output_json: str | None = _opt(None, "Where the results go (default: ADAPTER/eval_results.json with --adapter, "
                                    "else outputs/eval/<model directory name>.json).")
 
@@ -216,7 +219,7 @@ def parse_args(argv=None) -> EvalArgs:
         raise UserError(f"--depths must be fractions in [0, 1], got {args.depths}")
     if (args.trials is not None and args.trials < 1) or any(length < 1 for length in args.lengths or []):
         raise UserError("--trials and every --lengths value must be positive integers")
-    for name in ("batch_size", "max_docs", "max_seq_len"):
+    for name in ("batch_size", "max_docs", "max_seq_len", "ppl_buckets"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     return args
@@ -249,9 +252,12 @@ def run(args: EvalArgs) -> dict:
                             f"available: {', '.join(ds.column_names)}")
         texts = list(ds.select(range(min(len(ds), args.max_docs)))[args.text_field])
         max_seq_len = args.max_seq_len or max(args.lengths)
-        result["perplexity"] = perplexity(model, tokenizer, texts, max_seq_len=max_seq_len)
+        by_position = perplexity_by_position(model, tokenizer, texts, max_seq_len=max_seq_len,
+                                             n_buckets=args.ppl_buckets)
+        result["perplexity"] = by_position["perplexity"]
         result["perplexity_max_seq_len"] = max_seq_len
-        print(f"perplexity at {max_seq_len} tokens: {result['perplexity']:.3f}")
+        result["perplexity_by_position"] = by_position["buckets"]
+        print(format_perplexity(by_position, max_seq_len))
     config = model.get_base_model().config if args.adapter else model.config
     result["rope_parameters"] = config.rope_parameters
     result["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)

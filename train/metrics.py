@@ -130,6 +130,58 @@ def perplexity(model, tokenizer, texts, *, max_seq_len: int) -> float:
     return math.exp(total_nll / total_tokens)
 
 
+def position_buckets(max_seq_len: int, n_buckets: int) -> list[tuple[int, int]]:
+    """n_buckets equal, fixed ranges [start, end) of positions in a chunk of max_seq_len tokens: with 8,
+    [0, L/8), [L/8, L/4), ..., [7L/8, L) (edges rounded; empty ranges dropped)."""
+    edges = [round(i * max_seq_len / n_buckets) for i in range(n_buckets + 1)]
+    return [(start, end) for start, end in zip(edges, edges[1:]) if end > start]
+
+
+@torch.no_grad()
+def perplexity_by_position(model, tokenizer, texts, *, max_seq_len: int, n_buckets: int = 8) -> dict:
+    """perplexity() broken down by where the predicted token sits in its chunk, so that a reader sees whether the
+    model uses the far context (a model that does predicts late positions better than early ones).
+
+    Returns {"perplexity", "nll", "tokens", "buckets": [{"start", "end", "tokens", "nll", "perplexity"}]}: nll the
+    mean negative log-likelihood (nats) of the tokens at positions [start, end) of every chunk (position 0, the
+    chunk's first token, is never predicted), perplexity its exp; the overall figures are perplexity()'s. Each
+    bucket is one forward with the labels outside it masked (-100), so a model that only returns its loss (a
+    chunked-loss patch) works too; that costs n_buckets forwards per chunk.
+    """
+    buckets = position_buckets(max_seq_len, n_buckets)
+    sums, counts = [0.0] * len(buckets), [0] * len(buckets)
+    with evaluation_mode(model):
+        for text in texts:
+            ids = tokenizer(text)["input_ids"]
+            for chunk_start in range(0, len(ids), max_seq_len):
+                chunk = ids[chunk_start:chunk_start + max_seq_len]
+                x = torch.tensor([chunk], dtype=torch.long, device=_device(model))
+                for b, (start, end) in enumerate(buckets):
+                    first, last = max(start, 1), min(end, len(chunk))
+                    if last <= first:
+                        continue
+                    labels = torch.full_like(x, -100)
+                    labels[:, first:last] = x[:, first:last]
+                    loss = model(input_ids=x, labels=labels).loss  # mean over the last - first targets
+                    sums[b] += loss.float().item() * (last - first)
+                    counts[b] += last - first
+    if sum(counts) == 0:
+        raise UserError("perplexity: the texts have no tokens to score; pass non-empty documents")
+    nll = sum(sums) / sum(counts)
+    rows = [{"start": start, "end": end, "tokens": count, "nll": total / count if count else None,
+             "perplexity": math.exp(total / count) if count else None}
+            for (start, end), total, count in zip(buckets, sums, counts)]
+    return {"perplexity": math.exp(nll), "nll": nll, "tokens": sum(counts), "buckets": rows}
+
+
+def format_perplexity(result: dict, max_seq_len: int) -> str:
+    lines = [f"perplexity at {max_seq_len} tokens: {result['perplexity']:.3f}", "positions     |    nll | perplexity"]
+    for row in result["buckets"]:
+        if row["tokens"]:
+            lines.append(f"[{row['start']:>5}, {row['end']:>5}) | {row['nll']:6.3f} | {row['perplexity']:10.3f}")
+    return "\n".join(lines)
+
+
 def format_table(result: dict, task: str = "passkey") -> str:
     """A length x depth table of a task's accuracy (passkey_accuracy's / train.tasks.task_accuracy's result)."""
     depths = list(next(iter(result["by_length_depth"].values())))
