@@ -2,6 +2,7 @@
 passkey's also at the top level as before; tracker scalars eval/<task>_accuracy; bad names are one error line."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -77,6 +78,9 @@ def test_qlora_eval_tasks_before_and_after_with_tracker_scalars(tiny, tmp_path, 
     assert [e.value for e in accumulator.Scalars("eval/niah_single_accuracy")] == pytest.approx(
         [evals["before"]["tasks"]["niah_single"]["accuracy"], evals["after"]["tasks"]["niah_single"]["accuracy"]])
     assert "eval/niah_single_accuracy_500" in accumulator.Tags()["scalars"]
+    if importlib.util.find_spec("matplotlib"):  # the run's pictures
+        for name in ("loss.png", "accuracy_niah_single.png", "accuracy_passkey.png"):
+            assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
     # --adapter reads the run's tasks: its evaluation is repeated as trained.
     result_path = tmp_path / "again.json"
@@ -84,6 +88,9 @@ def test_qlora_eval_tasks_before_and_after_with_tracker_scalars(tiny, tmp_path, 
     again = json.loads(result_path.read_text())
     assert again["args"]["tasks"] == ["niah_single", "passkey"]
     assert again["tasks"]["niah_single"]["by_length_depth"] == evals["after"]["tasks"]["niah_single"]["by_length_depth"]
+    if importlib.util.find_spec("matplotlib"):  # beside the results JSON
+        assert sorted(p.name for p in tmp_path.glob("again_*.png")) == ["again_accuracy_niah_single.png",
+                                                                        "again_accuracy_passkey.png"]
 
 
 def test_qlora_bad_eval_task_is_one_error_line(tiny, tmp_path, capsys):

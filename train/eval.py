@@ -263,8 +263,25 @@ def run(args: EvalArgs) -> dict:
     result["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
     result["args"] = dataclasses.asdict(args)  # as resolved: the run's base, bits and passkey settings filled in
     run_dir.write_json(output, result)
+    _pictures(args, output, result)
     print(f"results written to {output}", file=sys.stderr)
     return result
+
+
+def _pictures(args: EvalArgs, output: str, result: dict) -> None:
+    """<output>_accuracy_<task>.png beside the results (with --adapter, the run's own "before" beside them); when
+    the results go into the run's directory, its loss.png too."""
+    from train import plots
+
+    before = None
+    if args.adapter:
+        try:
+            before = (run_dir.read_json(os.path.join(args.adapter, run_dir.EVAL_FILE)) or {}).get("before")
+        except UserError:  # an unreadable eval.json: this evaluation alone
+            before = None
+    if plots.write_eval_pictures(result, output, before) and args.adapter and \
+            os.path.abspath(os.path.dirname(output) or ".") == os.path.abspath(args.adapter):
+        plots.write_run_pictures(args.adapter, None, run_dir.METRICS_FILE)
 
 
 def main(argv=None) -> int:

@@ -331,6 +331,10 @@ def run(args: Args) -> RunResult:
 
         on_main(accelerator, lambda: merge_adapter(args, plan.config, out, os.path.join(out, run_dir.MERGED_DIR),
                                                   tokenizer))
+    if main_process:
+        from train.plots import write_run_pictures
+
+        write_run_pictures(out, evals, run_dir.METRICS_FILE)  # loss.png, accuracy_<task>.png
     if main_process:  # last: the marker that the run finished
         run_dir.write_json(os.path.join(out, run_dir.RUN_INFO_FILE), {
             "finished": True, "steps": steps, "final_loss": losses[-1] if losses else None,
