@@ -128,10 +128,10 @@ def _depth_cut(boundaries: list[int], depth: float, budget: int) -> int:
     return min(range(len(boundaries)), key=lambda i: abs(boundaries[i] - depth * budget))
 
 
-def _assemble(encode, length: int, head: str, needles: list[tuple[float, str]], tail: str, answer: str,
-              rng: random.Random, task: str) -> Case:
+def _assemble(encode, length: int, head: str, needles: list[tuple[float, str]], tail: str, references: list[str],
+              answer: str, rng: random.Random, task: str) -> Case:
     """prefix + head + filler with `needles` (depth, text; the first is the target) + tail, exactly
-    length - (answer tokens + ANSWER_SLACK) tokens."""
+    length - (tokens of `answer` + ANSWER_SLACK) tokens."""
     max_new = len(encode(answer)) + ANSWER_SLACK
     head_ids, tail_ids = encode(head), encode(tail)
     needle_ids = [encode(text) for _, text in needles]
@@ -161,7 +161,7 @@ def _assemble(encode, length: int, head: str, needles: list[tuple[float, str]], 
         if cut < len(pieces):
             context += pieces[cut]
     prompt = encode.prefix + head_ids + context + tail_ids
-    return Case(prompt, [], max_new, (start, start + len(context)), target)
+    return Case(prompt, references, max_new, (start, start + len(context)), target)
 
 
 def _niah(encode, length: int, depth: float, rng: random.Random, *, task: str, kind: str = "numbers",
@@ -182,9 +182,8 @@ def _niah(encode, length: int, depth: float, rng: random.Random, *, task: str, k
     if len(references) == 1:
         head = head.replace("Some", "A").replace("are", "is")
         question, prefix = question.replace("are all", "is"), prefix.replace(" are", " is")
-    case = _assemble(encode, length, head, needles, f"{question} {prefix}", ", ".join(references), rng, task)
-    case.references = references
-    return case
+    return _assemble(encode, length, head, needles, f"{question} {prefix}", references, ", ".join(references),
+                     rng, task)
 
 
 def _variable_name(rng: random.Random) -> str:
@@ -198,10 +197,8 @@ def _variable_tracking(encode, length: int, depth: float, rng: random.Random, *,
     later = sorted(depth + (1.0 - depth) * rng.random() for _ in range(hops))  # the chain keeps its order
     lines = [(depth, f"VAR {names[0]} = {value}.")]
     lines += [(d, f"VAR {names[i + 1]} = VAR {names[i]}.") for i, d in enumerate(later)]
-    case = _assemble(encode, length, VT_TEMPLATE, lines, VT_QUESTION.format(value=value, n=hops + 1),
+    return _assemble(encode, length, VT_TEMPLATE, lines, VT_QUESTION.format(value=value, n=hops + 1), names,
                      " ".join(names), rng, task)
-    case.references = names
-    return case
 
 
 # ---------------------------------------------------------------- the registry
