@@ -53,7 +53,7 @@ def test_task_names_are_checked_with_the_valid_ones_listed():
 # ---------------------------------------------------------------- prompts
 
 @pytest.mark.parametrize("task", RULER_TASKS)
-@pytest.mark.parametrize("length", [700, 1001])
+@pytest.mark.parametrize("length", [800, 1001])
 def test_prompt_and_generation_fill_exactly_the_requested_length(tok, task, length):
     for depth in (0.0, 0.5, 1.0):
         case = build_case(tok, task, length, depth, random.Random(3))

@@ -175,7 +175,7 @@ def perplexity_by_position(model, tokenizer, texts, *, max_seq_len: int, n_bucke
 
 
 def format_perplexity(result: dict, max_seq_len: int) -> str:
-    lines = [f"perplexity at {max_seq_len} tokens: {result['perplexity']:.3f}", "positions     |    nll | perplexity"]
+    lines = [f"perplexity at {max_seq_len} tokens: {result['perplexity']:.3f}", "positions      |    nll | perplexity"]
     for row in result["buckets"]:
         if row["tokens"]:
             lines.append(f"[{row['start']:>5}, {row['end']:>5}) | {row['nll']:6.3f} | {row['perplexity']:10.3f}")

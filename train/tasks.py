@@ -18,9 +18,9 @@ multi-value answer with 2 of 4 values scores 0.5). Differences: the filler is tr
 (no digits, so needle values are the only numbers), not Paul Graham essays or "The grass is green..." repeats;
 variable_tracking has no few-shot example (and spells "assigned" right); the pieces are joined by spaces.
 
-Lengths are exact: a prompt plus the tokens generated for it (its answer's length + ANSWER_SLACK) is exactly the
-requested length, like a passkey row (prompt + answer + EOS), so evaluating at the trained length never positions a
-token beyond it. Depth places the needle the question asks about (for multivalue / multiquery the first answer
+Lengths are exact: a prompt plus the tokens generated for it (its answer's length + ANSWER_SLACK per expected
+string; RULER generates a fixed 128 / 30 tokens) is exactly the requested length, like a passkey row (prompt +
+answer + EOS), so evaluating at the trained length never positions a token beyond it. Depth places the needle the question asks about (for multivalue / multiquery the first answer
 needle; for variable_tracking the chain's first assignment) at the sentence boundary nearest to that fraction of
 the filler; the other needles (distractors, other values, other queried keys, the chain's later hops, which always
 follow its start) go to seeded random depths.
@@ -39,7 +39,8 @@ import torch
 from train.errors import UserError
 from train.passkey import _encoder_for, _filler_pieces
 
-ANSWER_SLACK = 4  # tokens generated beyond the answer's own length, so that a longer (wrong) answer is seen
+ANSWER_SLACK = 4  # tokens generated per expected string beyond the answer's own length: room for separators
+# ("and", "VAR ") and for a longer (wrong) answer to be seen
 NIAH_NEEDLES = 4  # RULER's num_needle_k / num_needle_v / num_needle_q for multikey / multivalue / multiquery
 VT_HOPS = 4  # RULER's variable_tracking: one chain, 4 hops (5 variables)
 
@@ -131,8 +132,8 @@ def _depth_cut(boundaries: list[int], depth: float, budget: int) -> int:
 def _assemble(encode, length: int, head: str, needles: list[tuple[float, str]], tail: str, references: list[str],
               answer: str, rng: random.Random, task: str) -> Case:
     """prefix + head + filler with `needles` (depth, text; the first is the target) + tail, exactly
-    length - (tokens of `answer` + ANSWER_SLACK) tokens."""
-    max_new = len(encode(answer)) + ANSWER_SLACK
+    length - (tokens of `answer` + ANSWER_SLACK per reference) tokens."""
+    max_new = len(encode(answer)) + ANSWER_SLACK * len(references)
     head_ids, tail_ids = encode(head), encode(tail)
     needle_ids = [encode(text) for _, text in needles]
     fixed = len(encode.prefix) + len(head_ids) + len(tail_ids) + sum(map(len, needle_ids)) + max_new
