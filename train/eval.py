@@ -8,8 +8,8 @@ perplexity (train.metrics) of a model.
 
 --adapter DIR reads the run's own files: its base model, RoPE scaling and bits from run_info.json (for
 a directory without one, such as checkpoint-N, the base from peft's adapter_config.json), and, unless
-given, the passkey settings of the run's own evaluation, so it reproduces eval.json's "after". Flags
-override the run; one that contradicts it prints a warning line. RoPE flags are applied by
+given, the settings of the run's own evaluation (tasks, lengths, depths, trials, seed), so it reproduces
+eval.json's "after". Flags override the run; one that contradicts it prints a warning line. RoPE flags are applied by
 train.rope, exactly as training applies them. With neither --adapter nor a model named
 it evaluates the tiny model shipped in train/assets/tiny-llama. The results go to --output_json, by default
 DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.json: one entry per task under
@@ -58,9 +58,10 @@ class EvalArgs:
     tasks: list[str] | None = _opt(
         None, f"Tasks to evaluate, each a table of accuracy by length x depth (train.tasks): {', '.join(TASKS)} "
         "(default: the run's --eval_tasks, else passkey).")
-    lengths: list[int] | None = _opt(None, "Passkey context lengths (default: the run's evaluation, else 256 1024).")
+    lengths: list[int] | None = _opt(None, "Context lengths of every task (default: the run's evaluation, else 256 "
+                                     "1024).")
     depths: list[float] | None = _opt(
-        None, f"Passkey depths (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))}).")
+        None, f"Depths of the needle asked about (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))}).")
     trials: int | None = _opt(None, "Trials per (length, depth) (default: the run's, else 5).")
     seed: int | None = _opt(None, "Prompt seed (default: the run's evaluation seed, else 0).")
     batch_size: int = _opt(8, "Passkey prompts decoded together (bounds memory).")
