@@ -395,10 +395,7 @@ def validate(args: Args) -> None:
     if (args.prompt_field is None) != (args.response_field is None):
         raise UserError("--prompt_field and --response_field go together: give both, or neither to train on "
                         "--text_field")
-    if args.eval_tasks is not None:
-        from train.tasks import check_task_names
-
-        args.eval_tasks = check_task_names(args.eval_tasks, "--eval_tasks")
+    if args.eval_tasks is not None:  # the names are checked by train.qlora's preflight (train.tasks)
         args.eval_passkey = True
     if any(not 0 <= depth <= 1 for depth in args.eval_depths):
         raise UserError(f"--eval_depths must be fractions in [0, 1], got {args.eval_depths}")

@@ -83,6 +83,10 @@ def preflight(args: Args) -> Preflight:
     from train.rope import apply_rope_scaling
 
     check_tracker(args.report_to)
+    if args.eval_tasks is not None:
+        from train.tasks import check_task_names
+
+        args.eval_tasks = check_task_names(args.eval_tasks, "--eval_tasks")
     run_dir.check_output_dir(args.output_dir, resuming=bool(args.resume_from_checkpoint),
                              overwrite=args.overwrite_output_dir)
     resume_path = (checkpoint.resolve(args.resume_from_checkpoint, args.output_dir)
