@@ -99,3 +99,14 @@ def test_qlora_bad_eval_task_is_one_error_line(tiny, tmp_path, capsys):
     assert qlora_main(base_argv(tiny, tmp_path / "run", "--eval_tasks", "vt")) == 2
     line = error_line(capsys)
     assert "--eval_tasks" in line and "'vt'" in line and "variable_tracking" in line
+
+
+def test_eval_tasks_help_names_only_registered_tasks():
+    import dataclasses
+    import re
+
+    from train.args import EvalArguments
+
+    help_text = next(f for f in dataclasses.fields(EvalArguments) if f.name == "eval_tasks").metadata["help"]
+    named = re.findall(r"\b(passkey|niah_\w+|variable_tracking)\b", help_text)
+    assert len(named) >= 6 and set(named) <= set(TASKS)
