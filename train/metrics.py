@@ -38,8 +38,13 @@ def answer_is_correct(generated: str, key: str) -> bool:
     return generated.lstrip().startswith(key)
 
 
-def _greedy(model, batch: torch.Tensor, max_new_tokens: int, pad_token_id) -> torch.Tensor:
-    """Greedy continuation of equal-length prompts [B, L] -> new tokens [B, max_new_tokens]."""
+def _greedy(model, batch: torch.Tensor, max_new_tokens: int, pad_token_id, split=None) -> torch.Tensor:
+    """Greedy continuation of equal-length prompts [B, L] -> new tokens [B, max_new_tokens]; with `split` (a
+    train.split_eval.SplitEval) every rank of its sequence-parallel group decodes together, each holding a shard."""
+    if split is not None:
+        from train.split_eval import split_greedy
+
+        return split_greedy(model, batch, max_new_tokens, split)
     out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=False,
                          max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
     return out[:, batch.shape[1]:]
@@ -68,11 +73,12 @@ def check_passkey_lengths(tokenizer, lengths, key_digits: int = DEFAULT_KEY_DIGI
 
 @torch.no_grad()
 def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed: int = 0,
-                     batch_size: int = 8, key_digits: int = DEFAULT_KEY_DIGITS) -> dict:
+                     batch_size: int = 8, key_digits: int = DEFAULT_KEY_DIGITS, split=None) -> dict:
     """Greedy-decode the pass key for every (length, depth, trial); exact match.
 
     Returns {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc}, "accuracy": acc}.
-    Prompts of equal token length are batched (no padding needed); batch_size bounds memory.
+    Prompts of equal token length are batched (no padding needed); batch_size bounds memory. `split`: decode over a
+    sequence-parallel group (train.split_eval), every rank of it calling with the same arguments.
     """
     check_passkey_lengths(tokenizer, lengths, key_digits)
     cases = _passkey_cases(tokenizer, lengths, depths, trials, seed, key_digits)
@@ -86,7 +92,7 @@ def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed
                 chunk = group[i:i + batch_size]
                 batch = torch.tensor([c["prompt"] for c in chunk], dtype=torch.long, device=_device(model))
                 # A few tokens beyond the answer so that a longer (wrong) number is caught.
-                new = _greedy(model, batch, max(len(c["answer"]) for c in chunk) + 2, pad_id)
+                new = _greedy(model, batch, max(len(c["answer"]) for c in chunk) + 2, pad_id, split)
                 for c, ids in zip(chunk, new.tolist()):
                     c["correct"] = answer_is_correct(tokenizer.decode(ids, skip_special_tokens=True), c["key"])
     return _summarise(cases, lengths, depths)

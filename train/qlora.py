@@ -229,9 +229,10 @@ def eval_tasks(args: Args) -> list[str]:
 
 
 def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict,
-              step: int) -> dict | None:
+              step: int, layout) -> dict | None:
     """Accuracy of each --eval_tasks task on the main process (the others wait: greedy decoding needs no data
-    parallelism; under FSDP every rank decodes, as every forward gathers the shards), printed, logged to the tracker
+    parallelism; under FSDP every rank decodes, as every forward gathers the shards; under sequence parallelism each
+    group decodes every prompt split as training splits its rows, train.split_eval), printed, logged to the tracker
     at `step` (eval/<task>_accuracy, and _<length>) and written to eval.json under `when` ("before"/"after") beside
     the earlier results in `evals`: {"tasks": {task: result}}, passkey's result also at the top level."""
 
@@ -239,7 +240,7 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
         logged = {}
         for name, result in tasks.items():
             lengths = ", ".join(f"{length}: {acc:.3f}" for length, acc in result["by_length"].items())
-            print(f"{name} accuracy {when} training: {result['accuracy']:.3f} (by length {lengths})", flush=True)
+            print(f"{name} accuracy {when} training: {result['accuracy']:.3f} (by length {lengths}){where}", flush=True)
             logged[f"eval/{name}_accuracy"] = result["accuracy"]
             logged.update({f"eval/{name}_accuracy_{length}": acc for length, acc in result["by_length"].items()})
         result = {**tasks.get("passkey", {}), "tasks": tasks}
@@ -253,9 +254,15 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
 
         return evaluate_tasks(accelerator.unwrap_model(model), tokenizer, eval_tasks(args),
                               lengths=args.eval_lengths or [args.max_seq_len], depths=args.eval_depths,
-                              trials=args.eval_trials, seed=EVAL_SEED)
+                              trials=args.eval_trials, seed=EVAL_SEED, split=split)
 
-    if args.fsdp:  # every rank takes part in the forwards; the main one reports
+    split, where = None, ""
+    if layout.sequence_parallel > 1:  # each prompt split over the group, as training splits its rows
+        from train.split_eval import SplitEval
+
+        split = SplitEval(layout.group, layout.mode)
+        where = f"; each prompt split over {layout.sequence_parallel} processes ({layout.mode})"
+    if args.fsdp or split is not None:  # every rank takes part in the forwards; the main one reports
         tasks = evaluate()
         return on_main(accelerator, lambda: report(tasks)) or {**tasks.get("passkey", {}), "tasks": tasks}
     return on_main(accelerator, lambda: report(evaluate()))
@@ -318,7 +325,8 @@ def run(args: Args) -> RunResult:
     eval_path = os.path.join(out, run_dir.EVAL_FILE)
     evals = plan.evals  # a resumed run keeps its "before"
     if args.eval_passkey and "before" not in evals:
-        evals["before"] = _evaluate(accelerator, model, tokenizer, args, "before", eval_path, evals, start_step)
+        evals["before"] = _evaluate(accelerator, model, tokenizer, args, "before", eval_path, evals, start_step,
+                                    layout)
 
     losses = loop.train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, layout=layout,
                              start_step=start_step, position=position, steps=steps,
@@ -329,7 +337,7 @@ def run(args: Args) -> RunResult:
         trained.save_pretrained(out, state_dict=weights)
         tokenizer.save_pretrained(out)
     if args.eval_passkey:
-        evals["after"] = _evaluate(accelerator, model, tokenizer, args, "after", eval_path, evals, steps)
+        evals["after"] = _evaluate(accelerator, model, tokenizer, args, "after", eval_path, evals, steps, layout)
     if args.merge:
         from train.model import merge_adapter
 

@@ -275,18 +275,19 @@ def _cases(tokenizer, task: str, lengths, depths, trials: int, seed: int) -> lis
 
 @torch.no_grad()
 def task_accuracy(model, tokenizer, task: str, *, lengths, depths, trials: int = 5, seed: int = 0,
-                  batch_size: int = 8) -> dict:
+                  batch_size: int = 8, split=None) -> dict:
     """Greedy-decode every (length, depth, trial) prompt of `task` and score it with the task's scorer.
 
     Returns passkey_accuracy's shape: {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc},
-    "accuracy": acc}, acc the mean score (partial credit for multi-value answers)."""
+    "accuracy": acc}, acc the mean score (partial credit for multi-value answers). `split`: decode over a
+    sequence-parallel group (train.split_eval), every rank of it calling with the same arguments."""
     from train.metrics import _device, _greedy, _summarise, evaluation_mode
 
     if task == "passkey":  # train.metrics' own (its checks and messages)
         from train.metrics import passkey_accuracy
 
         return passkey_accuracy(model, tokenizer, lengths=lengths, depths=depths, trials=trials, seed=seed,
-                                batch_size=batch_size)
+                                batch_size=batch_size, split=split)
     cases = _cases(tokenizer, task, lengths, depths, trials, seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     groups: dict[int, list[dict]] = {}
@@ -297,7 +298,7 @@ def task_accuracy(model, tokenizer, task: str, *, lengths, depths, trials: int =
             for i in range(0, len(group), batch_size):
                 chunk = group[i:i + batch_size]
                 batch = torch.tensor([c["case"].prompt for c in chunk], dtype=torch.long, device=_device(model))
-                new = _greedy(model, batch, chunk[0]["case"].max_new_tokens, pad_id)
+                new = _greedy(model, batch, chunk[0]["case"].max_new_tokens, pad_id, split)
                 for item, ids in zip(chunk, new.tolist()):
                     text = tokenizer.decode(ids, skip_special_tokens=True)
                     item["correct"] = TASKS[task].score(text, item["case"].references)
