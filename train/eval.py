@@ -31,6 +31,7 @@ from train.args import TINY_LLAMA_DIR, _opt, build_parser, parse_tokens
 from train.errors import UserError
 from train.lifecycle import silence_library_noise
 from train.metrics import EVAL_SEED, format_perplexity, format_table, perplexity_by_position
+from train.parallel import launched_world_size
 from train.rope import ROPE_TYPES, check_rope_flags, set_rope_scaling
 from train.tasks import DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks
 
@@ -73,6 +74,12 @@ class EvalArgs:
     ppl_buckets: int = _opt(8, "Perplexity is also reported for this many equal ranges of positions in a chunk "
                             "([0, L/8), [L/8, L/4), ... with 8): whether the model uses the far context. Each range "
                             "is one forward per chunk; 1 for a single forward.")
+    sequence_parallel: int = _opt(
+        1, "Split every prompt and document over groups of N processes (launch W processes, W a multiple of N, with "
+        "accelerate launch or torchrun): each holds 1/N of the sequence, so a length that a training step fits "
+        "evaluates in the same memory per process. Results equal one process's; the main process writes them.")
+    sp_mode: str = _opt("ring", "Sequence-parallel attention with --sequence_parallel: ring or ulysses (query "
+                        "heads must divide by N).", choices=("ring", "ulysses"))
     output_json: str | None = _opt(None, "Where the results go (default: ADAPTER/eval_results.json with --adapter, "
                                    "else outputs/eval/<model directory name>.json).")
 
@@ -220,7 +227,7 @@ def parse_args(argv=None) -> EvalArgs:
         raise UserError(f"--depths must be fractions in [0, 1], got {args.depths}")
     if (args.trials is not None and args.trials < 1) or any(length < 1 for length in args.lengths or []):
         raise UserError("--trials and every --lengths value must be positive integers")
-    for name in ("batch_size", "max_docs", "max_seq_len", "ppl_buckets"):
+    for name in ("batch_size", "max_docs", "max_seq_len", "ppl_buckets", "sequence_parallel"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     return args
@@ -235,15 +242,51 @@ def output_path(args: EvalArgs) -> str:
     return os.path.join(DEFAULT_OUTPUT_DIR, f"{name}.json")
 
 
+def split_layout(args: EvalArgs):
+    """None without --sequence_parallel; else this process's train.split_eval.SplitEval (the process group started
+    from the launcher's environment: gloo on CPU, NCCL with one GPU per process)."""
+    n = args.sequence_parallel
+    if n == 1:
+        return None
+    world = launched_world_size()
+    if world % n:
+        raise UserError(f"--sequence_parallel {n} must divide the number of processes ({world}); launch a multiple "
+                        f"of {n} with accelerate launch --num_processes (or torchrun --nproc_per_node)")
+    import torch.distributed as dist
+
+    from patches.sequence_parallel import sequence_parallel_group
+    from train.split_eval import SplitEval
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return SplitEval(sequence_parallel_group(n), args.sp_mode)
+
+
+def _patched_for_split(model):
+    """The split attention runs in the blockwise patch: a model not patched yet gets it (loss-only in eval mode)."""
+    from patches import apply_bpt_patch, is_patched
+
+    if not is_patched(model):
+        apply_bpt_patch(model, eval_logits=False)
+    return model
+
+
 def run(args: EvalArgs) -> dict:
     output = output_path(args)
+    split = split_layout(args)
+    main_process = split is None or torch.distributed.get_rank() == 0
     model, tokenizer = load_for_eval(args, output)
+    if split is not None:
+        model = _patched_for_split(model)
     tasks = evaluate_tasks(model, tokenizer, args.tasks, lengths=args.lengths, depths=args.depths,
-                           trials=args.trials, seed=args.seed, batch_size=args.batch_size)
+                           trials=args.trials, seed=args.seed, batch_size=args.batch_size, split=split)
     result = dict(tasks.get("passkey", {}))  # passkey at the top level too, as before there were tasks
     result["tasks"] = tasks
     for name, task_result in tasks.items():
-        print(format_table(task_result, name))
+        if main_process:
+            print(format_table(task_result, name))
     if args.dataset:
         from train.data import load_text_dataset
 
@@ -254,15 +297,18 @@ def run(args: EvalArgs) -> dict:
         texts = list(ds.select(range(min(len(ds), args.max_docs)))[args.text_field])
         max_seq_len = args.max_seq_len or max(args.lengths)
         by_position = perplexity_by_position(model, tokenizer, texts, max_seq_len=max_seq_len,
-                                             n_buckets=args.ppl_buckets)
+                                             n_buckets=args.ppl_buckets, split=split)
         result["perplexity"] = by_position["perplexity"]
         result["perplexity_max_seq_len"] = max_seq_len
         result["perplexity_by_position"] = by_position["buckets"]
-        print(format_perplexity(by_position, max_seq_len))
+        if main_process:
+            print(format_perplexity(by_position, max_seq_len))
     config = model.get_base_model().config if args.adapter else model.config
     result["rope_parameters"] = config.rope_parameters
     result["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
     result["args"] = dataclasses.asdict(args)  # as resolved: the run's base, bits and passkey settings filled in
+    if not main_process:
+        return result
     run_dir.write_json(output, result)
     _pictures(args, output, result)
     print(f"results written to {output}", file=sys.stderr)
@@ -292,6 +338,10 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # --sequence_parallel
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     return 0
 
 

@@ -111,8 +111,17 @@ def _summarise(cases: list[dict], lengths, depths) -> dict:
             "accuracy": mean([c["correct"] for c in cases])}
 
 
+def _loss(model, x: torch.Tensor, labels: torch.Tensor, split=None) -> torch.Tensor:
+    """The model's mean loss over the labelled targets; with `split` computed over a sequence-parallel group."""
+    if split is not None:
+        from train.split_eval import split_loss
+
+        return split_loss(model, x, split, labels)
+    return model(input_ids=x, labels=labels).loss
+
+
 @torch.no_grad()
-def perplexity(model, tokenizer, texts, *, max_seq_len: int) -> float:
+def perplexity(model, tokenizer, texts, *, max_seq_len: int, split=None) -> float:
     """Token-weighted perplexity of held-out documents, each cut into non-overlapping chunks of at most
     max_seq_len tokens (every chunk is scored on its own, so this measures the model at that context).
 
@@ -128,7 +137,7 @@ def perplexity(model, tokenizer, texts, *, max_seq_len: int) -> float:
                 if len(chunk) < 2:  # nothing to predict
                     continue
                 x = torch.tensor([chunk], dtype=torch.long, device=_device(model))
-                loss = model(input_ids=x, labels=x).loss  # mean over len(chunk) - 1 predictions
+                loss = _loss(model, x, x, split)  # mean over len(chunk) - 1 predictions
                 total_nll += loss.float().item() * (len(chunk) - 1)
                 total_tokens += len(chunk) - 1
     if total_tokens == 0:
@@ -144,7 +153,7 @@ def position_buckets(max_seq_len: int, n_buckets: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def perplexity_by_position(model, tokenizer, texts, *, max_seq_len: int, n_buckets: int = 8) -> dict:
+def perplexity_by_position(model, tokenizer, texts, *, max_seq_len: int, n_buckets: int = 8, split=None) -> dict:
     """perplexity() broken down by where the predicted token sits in its chunk, so that a reader sees whether the
     model uses the far context (a model that does predicts late positions better than early ones).
 
@@ -168,7 +177,7 @@ def perplexity_by_position(model, tokenizer, texts, *, max_seq_len: int, n_bucke
                         continue
                     labels = torch.full_like(x, -100)
                     labels[:, first:last] = x[:, first:last]
-                    loss = model(input_ids=x, labels=labels).loss  # mean over the last - first targets
+                    loss = _loss(model, x, labels, split)  # mean over the last - first targets
                     sums[b] += loss.float().item() * (last - first)
                     counts[b] += last - first
     if sum(counts) == 0:
