@@ -19,7 +19,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 PROCESS_MODULES = {
     "test_bench_sequence_parallel", "test_cli_errors", "test_cli_signals", "test_qlora_cli", "test_qlora_fsdp",
     "test_qlora_sequence_parallel", "test_ring_attention", "test_sequence_parallel_model",
-    "test_split_eval", "test_trainer_sequence_parallel", "test_ulysses_attention",
+    "test_eval_split", "test_split_eval", "test_trainer_sequence_parallel", "test_ulysses_attention",
 }
 
 

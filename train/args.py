@@ -158,9 +158,14 @@ class TrainArguments:
 
 @dataclass
 class EvalArguments:
-    """Passkey evaluation"""
+    """Evaluation before and after training"""
 
-    eval_passkey: bool = _opt(False, "Evaluate passkey retrieval accuracy before and after training (eval.json).")
+    eval_passkey: bool = _opt(False, "Evaluate before and after training (eval.json): the --eval_tasks (passkey "
+                              "retrieval accuracy unless given).")
+    eval_tasks: list[str] | None = _opt(
+        None, "Tasks of the evaluation before and after training (train.tasks: passkey, niah_single, niah_multikey, "
+        "niah_multivalue, niah_multiquery, variable_tracking, ...); giving them turns the evaluation on. Default: "
+        "passkey.")
     eval_lengths: list[int] | None = _opt(None, "Context lengths of the passkey evaluation; default: max_seq_len.")
     eval_depths: list[float] = _opt([0.1, 0.5, 0.9], "Relative depths of the passkey in the context.")
     eval_trials: int = _opt(4, "Passkey trials per (length, depth).")
@@ -390,6 +395,8 @@ def validate(args: Args) -> None:
     if (args.prompt_field is None) != (args.response_field is None):
         raise UserError("--prompt_field and --response_field go together: give both, or neither to train on "
                         "--text_field")
+    if args.eval_tasks is not None:  # the names are checked by train.qlora's preflight (train.tasks)
+        args.eval_passkey = True
     if any(not 0 <= depth <= 1 for depth in args.eval_depths):
         raise UserError(f"--eval_depths must be fractions in [0, 1], got {args.eval_depths}")
     if args.eval_lengths is not None and any(length <= 0 for length in args.eval_lengths):

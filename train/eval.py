@@ -1,17 +1,19 @@
-"""`python -m train.eval`: passkey retrieval accuracy and long-document perplexity (train.metrics) of a model.
+"""`python -m train.eval`: passkey retrieval and RULER-style task accuracy (train.tasks) and long-document
+perplexity (train.metrics) of a model.
 
     python -m train.eval --adapter DIR                       # the model a train.qlora run trained, as it trained it
     python -m train.eval --model_name_or_path M [--rope_scaling yarn --rope_factor 4] [--bits 4]
-        [--lengths 256 1024] [--depths 0 0.5 1] [--trials N] [--dataset FILE --text_field text]
-        [--max_seq_len N] [--output_json F]
+        [--tasks passkey niah_multikey variable_tracking] [--lengths 256 1024] [--depths 0 0.5 1] [--trials N]
+        [--dataset FILE --text_field text] [--max_seq_len N] [--output_json F]
 
 --adapter DIR reads the run's own files: its base model, RoPE scaling and bits from run_info.json (for
 a directory without one, such as checkpoint-N, the base from peft's adapter_config.json), and, unless
-given, the passkey settings of the run's own evaluation, so it reproduces eval.json's "after". Flags
-override the run; one that contradicts it prints a warning line. RoPE flags are applied by
+given, the settings of the run's own evaluation (tasks, lengths, depths, trials, seed), so it reproduces
+eval.json's "after". Flags override the run; one that contradicts it prints a warning line. RoPE flags are applied by
 train.rope, exactly as training applies them. With neither --adapter nor a model named
 it evaluates the tiny model shipped in train/assets/tiny-llama. The results go to --output_json, by default
-DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.json.
+DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.json: one entry per task under
+"tasks" (each {"by_length_depth", "by_length", "accuracy"}), and passkey's also at the top level, as before tasks.
 Flags follow train.qlora's conventions (train.args): a mistake is one `error:` line, exit 2.
 """
 from __future__ import annotations
@@ -28,8 +30,10 @@ from train import run_dir
 from train.args import TINY_LLAMA_DIR, _opt, build_parser, parse_tokens
 from train.errors import UserError
 from train.lifecycle import silence_library_noise
-from train.metrics import EVAL_SEED, check_passkey_lengths, format_table, passkey_accuracy, perplexity
+from train.metrics import EVAL_SEED, format_perplexity, format_table, perplexity_by_position
+from train.parallel import launched_world_size
 from train.rope import ROPE_TYPES, check_rope_flags, set_rope_scaling
+from train.tasks import DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks
 
 DEFAULT_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 DEFAULT_OUTPUT_DIR = "outputs/eval"  # results of a model evaluated without --adapter: <model directory name>.json
@@ -52,9 +56,13 @@ class EvalArgs:
     bits: int | None = _opt(None, "Base weights: 4 = NF4, 8 = int8, 16 = unquantised (default: the run's, else 16).",
                             choices=(4, 8, 16))
     load_in_4bit: bool = _opt(False, "Same as --bits 4.")
-    lengths: list[int] | None = _opt(None, "Passkey context lengths (default: the run's evaluation, else 256 1024).")
+    tasks: list[str] | None = _opt(
+        None, f"Tasks to evaluate, each a table of accuracy by length x depth (train.tasks): {', '.join(TASKS)} "
+        "(default: the run's --eval_tasks, else passkey).")
+    lengths: list[int] | None = _opt(None, "Context lengths of every task (default: the run's evaluation, else 256 "
+                                     "1024).")
     depths: list[float] | None = _opt(
-        None, f"Passkey depths (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))}).")
+        None, f"Depths of the needle asked about (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))}).")
     trials: int | None = _opt(None, "Trials per (length, depth) (default: the run's, else 5).")
     seed: int | None = _opt(None, "Prompt seed (default: the run's evaluation seed, else 0).")
     batch_size: int = _opt(8, "Passkey prompts decoded together (bounds memory).")
@@ -63,6 +71,15 @@ class EvalArgs:
     text_field: str = _opt("text", "Column of --dataset holding the documents.")
     max_seq_len: int | None = _opt(None, "Perplexity context (default: the largest --lengths).")
     max_docs: int = _opt(100, "At most this many documents of --dataset are scored.")
+    ppl_buckets: int = _opt(8, "Perplexity is also reported for this many equal ranges of positions in a chunk "
+                            "([0, L/8), [L/8, L/4), ... with 8): whether the model uses the far context. Each range "
+                            "is one forward per chunk; 1 for a single forward.")
+    sequence_parallel: int = _opt(
+        1, "Split every prompt and document over groups of N processes (launch W processes, W a multiple of N, with "
+        "accelerate launch or torchrun): each holds 1/N of the sequence, so a length that a training step fits "
+        "evaluates in the same memory per process. Results equal one process's; the main process writes them.")
+    sp_mode: str = _opt("ring", "Sequence-parallel attention with --sequence_parallel: ring or ulysses (query "
+                        "heads must divide by N).", choices=("ring", "ulysses"))
     output_json: str | None = _opt(None, "Where the results go (default: ADAPTER/eval_results.json with --adapter, "
                                    "else outputs/eval/<model directory name>.json).")
 
@@ -117,14 +134,15 @@ def fill_passkey_defaults(args: EvalArgs, info: dict | None) -> None:
     has them, so `--adapter DIR` alone reproduces the run's eval.json "after"; else the defaults."""
     trained = (info or {}).get("args") or {}
     if "max_seq_len" in trained:
-        defaults = {"lengths": trained.get("eval_lengths") or [trained["max_seq_len"]],
+        defaults = {"tasks": trained.get("eval_tasks") or DEFAULT_TASKS,
+                    "lengths": trained.get("eval_lengths") or [trained["max_seq_len"]],
                     "depths": trained.get("eval_depths") or DEFAULT_DEPTHS,
                     "trials": trained.get("eval_trials") or 5, "seed": EVAL_SEED}
     else:
-        defaults = {"lengths": [256, 1024], "depths": DEFAULT_DEPTHS, "trials": 5, "seed": 0}
+        defaults = {"tasks": DEFAULT_TASKS, "lengths": [256, 1024], "depths": DEFAULT_DEPTHS, "trials": 5, "seed": 0}
     for name, value in defaults.items():
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, list(value) if isinstance(value, list) else value)
 
 
 def _scale_rope(config, args: EvalArgs, run) -> None:
@@ -181,7 +199,7 @@ def load_for_eval(args: EvalArgs, output: str | None = None):
 
     plan = plan_model(args)
     tokenizer = load_tokenizer(plan.tokenizer_source, plan.trust_remote_code)
-    check_passkey_lengths(tokenizer, args.lengths)
+    check_task_lengths(tokenizer, args.tasks, args.lengths)
     if output is not None:
         run_dir.check_writable(os.path.dirname(output) or ".", "--output_json's directory")
     return _load_weights(plan), tokenizer
@@ -203,9 +221,13 @@ def parse_args(argv=None) -> EvalArgs:
     args = EvalArgs(**parse_tokens(parser, sys.argv[1:] if argv is None else [str(a) for a in argv]))
     if args.load_in_4bit:
         args.bits = 4
+    if args.tasks is not None:
+        args.tasks = check_task_names(args.tasks)
+    if any(not 0 <= depth <= 1 for depth in args.depths or []):
+        raise UserError(f"--depths must be fractions in [0, 1], got {args.depths}")
     if (args.trials is not None and args.trials < 1) or any(length < 1 for length in args.lengths or []):
         raise UserError("--trials and every --lengths value must be positive integers")
-    for name in ("batch_size", "max_docs", "max_seq_len"):
+    for name in ("batch_size", "max_docs", "max_seq_len", "ppl_buckets", "sequence_parallel"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     return args
@@ -220,12 +242,51 @@ def output_path(args: EvalArgs) -> str:
     return os.path.join(DEFAULT_OUTPUT_DIR, f"{name}.json")
 
 
+def split_layout(args: EvalArgs):
+    """None without --sequence_parallel; else this process's train.split_eval.SplitEval (the process group started
+    from the launcher's environment: gloo on CPU, NCCL with one GPU per process)."""
+    n = args.sequence_parallel
+    if n == 1:
+        return None
+    world = launched_world_size()
+    if world % n:
+        raise UserError(f"--sequence_parallel {n} must divide the number of processes ({world}); launch a multiple "
+                        f"of {n} with accelerate launch --num_processes (or torchrun --nproc_per_node)")
+    import torch.distributed as dist
+
+    from patches.sequence_parallel import sequence_parallel_group
+    from train.split_eval import SplitEval
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return SplitEval(sequence_parallel_group(n), args.sp_mode)
+
+
+def _patched_for_split(model):
+    """The split attention runs in the blockwise patch: a model not patched yet gets it (loss-only in eval mode)."""
+    from patches import apply_bpt_patch, is_patched
+
+    if not is_patched(model):
+        apply_bpt_patch(model, eval_logits=False)
+    return model
+
+
 def run(args: EvalArgs) -> dict:
     output = output_path(args)
+    split = split_layout(args)
+    main_process = split is None or torch.distributed.get_rank() == 0
     model, tokenizer = load_for_eval(args, output)
-    result = passkey_accuracy(model, tokenizer, lengths=args.lengths, depths=args.depths,
-                              trials=args.trials, seed=args.seed, batch_size=args.batch_size)
-    print(format_table(result))
+    if split is not None:
+        model = _patched_for_split(model)
+    tasks = evaluate_tasks(model, tokenizer, args.tasks, lengths=args.lengths, depths=args.depths,
+                           trials=args.trials, seed=args.seed, batch_size=args.batch_size, split=split)
+    result = dict(tasks.get("passkey", {}))  # passkey at the top level too, as before there were tasks
+    result["tasks"] = tasks
+    for name, task_result in tasks.items():
+        if main_process:
+            print(format_table(task_result, name))
     if args.dataset:
         from train.data import load_text_dataset
 
@@ -235,16 +296,39 @@ def run(args: EvalArgs) -> dict:
                             f"available: {', '.join(ds.column_names)}")
         texts = list(ds.select(range(min(len(ds), args.max_docs)))[args.text_field])
         max_seq_len = args.max_seq_len or max(args.lengths)
-        result["perplexity"] = perplexity(model, tokenizer, texts, max_seq_len=max_seq_len)
+        by_position = perplexity_by_position(model, tokenizer, texts, max_seq_len=max_seq_len,
+                                             n_buckets=args.ppl_buckets, split=split)
+        result["perplexity"] = by_position["perplexity"]
         result["perplexity_max_seq_len"] = max_seq_len
-        print(f"perplexity at {max_seq_len} tokens: {result['perplexity']:.3f}")
+        result["perplexity_by_position"] = by_position["buckets"]
+        if main_process:
+            print(format_perplexity(by_position, max_seq_len))
     config = model.get_base_model().config if args.adapter else model.config
     result["rope_parameters"] = config.rope_parameters
     result["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
     result["args"] = dataclasses.asdict(args)  # as resolved: the run's base, bits and passkey settings filled in
+    if not main_process:
+        return result
     run_dir.write_json(output, result)
+    _pictures(args, output, result)
     print(f"results written to {output}", file=sys.stderr)
     return result
+
+
+def _pictures(args: EvalArgs, output: str, result: dict) -> None:
+    """<output>_accuracy_<task>.png beside the results (with --adapter, the run's own "before" beside them); when
+    the results go into the run's directory, its loss.png too."""
+    from train import plots
+
+    before = None
+    if args.adapter:
+        try:
+            before = (run_dir.read_json(os.path.join(args.adapter, run_dir.EVAL_FILE)) or {}).get("before")
+        except UserError:  # an unreadable eval.json: this evaluation alone
+            before = None
+    if plots.write_eval_pictures(result, output, before) and args.adapter and \
+            os.path.abspath(os.path.dirname(output) or ".") == os.path.abspath(args.adapter):
+        plots.write_run_pictures(args.adapter, None, run_dir.METRICS_FILE)
 
 
 def main(argv=None) -> int:
@@ -254,6 +338,10 @@ def main(argv=None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # --sequence_parallel
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     return 0
 
 

@@ -38,8 +38,13 @@ def answer_is_correct(generated: str, key: str) -> bool:
     return generated.lstrip().startswith(key)
 
 
-def _greedy(model, batch: torch.Tensor, max_new_tokens: int, pad_token_id) -> torch.Tensor:
-    """Greedy continuation of equal-length prompts [B, L] -> new tokens [B, max_new_tokens]."""
+def _greedy(model, batch: torch.Tensor, max_new_tokens: int, pad_token_id, split=None) -> torch.Tensor:
+    """Greedy continuation of equal-length prompts [B, L] -> new tokens [B, max_new_tokens]; with `split` (a
+    train.split_eval.SplitEval) every rank of its sequence-parallel group decodes together, each holding a shard."""
+    if split is not None:
+        from train.split_eval import split_greedy
+
+        return split_greedy(model, batch, max_new_tokens, split)
     out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=False,
                          max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
     return out[:, batch.shape[1]:]
@@ -68,11 +73,12 @@ def check_passkey_lengths(tokenizer, lengths, key_digits: int = DEFAULT_KEY_DIGI
 
 @torch.no_grad()
 def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed: int = 0,
-                     batch_size: int = 8, key_digits: int = DEFAULT_KEY_DIGITS) -> dict:
+                     batch_size: int = 8, key_digits: int = DEFAULT_KEY_DIGITS, split=None) -> dict:
     """Greedy-decode the pass key for every (length, depth, trial); exact match.
 
     Returns {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc}, "accuracy": acc}.
-    Prompts of equal token length are batched (no padding needed); batch_size bounds memory.
+    Prompts of equal token length are batched (no padding needed); batch_size bounds memory. `split`: decode over a
+    sequence-parallel group (train.split_eval), every rank of it calling with the same arguments.
     """
     check_passkey_lengths(tokenizer, lengths, key_digits)
     cases = _passkey_cases(tokenizer, lengths, depths, trials, seed, key_digits)
@@ -86,7 +92,7 @@ def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed
                 chunk = group[i:i + batch_size]
                 batch = torch.tensor([c["prompt"] for c in chunk], dtype=torch.long, device=_device(model))
                 # A few tokens beyond the answer so that a longer (wrong) number is caught.
-                new = _greedy(model, batch, max(len(c["answer"]) for c in chunk) + 2, pad_id)
+                new = _greedy(model, batch, max(len(c["answer"]) for c in chunk) + 2, pad_id, split)
                 for c, ids in zip(chunk, new.tolist()):
                     c["correct"] = answer_is_correct(tokenizer.decode(ids, skip_special_tokens=True), c["key"])
     return _summarise(cases, lengths, depths)
@@ -105,8 +111,17 @@ def _summarise(cases: list[dict], lengths, depths) -> dict:
             "accuracy": mean([c["correct"] for c in cases])}
 
 
+def _loss(model, x: torch.Tensor, labels: torch.Tensor, split=None) -> torch.Tensor:
+    """The model's mean loss over the labelled targets; with `split` computed over a sequence-parallel group."""
+    if split is not None:
+        from train.split_eval import split_loss
+
+        return split_loss(model, x, split, labels)
+    return model(input_ids=x, labels=labels).loss
+
+
 @torch.no_grad()
-def perplexity(model, tokenizer, texts, *, max_seq_len: int) -> float:
+def perplexity(model, tokenizer, texts, *, max_seq_len: int, split=None) -> float:
     """Token-weighted perplexity of held-out documents, each cut into non-overlapping chunks of at most
     max_seq_len tokens (every chunk is scored on its own, so this measures the model at that context).
 
@@ -122,7 +137,7 @@ def perplexity(model, tokenizer, texts, *, max_seq_len: int) -> float:
                 if len(chunk) < 2:  # nothing to predict
                     continue
                 x = torch.tensor([chunk], dtype=torch.long, device=_device(model))
-                loss = model(input_ids=x, labels=x).loss  # mean over len(chunk) - 1 predictions
+                loss = _loss(model, x, x, split)  # mean over len(chunk) - 1 predictions
                 total_nll += loss.float().item() * (len(chunk) - 1)
                 total_tokens += len(chunk) - 1
     if total_tokens == 0:
@@ -130,7 +145,60 @@ def perplexity(model, tokenizer, texts, *, max_seq_len: int) -> float:
     return math.exp(total_nll / total_tokens)
 
 
-def format_table(result: dict) -> str:
+def position_buckets(max_seq_len: int, n_buckets: int) -> list[tuple[int, int]]:
+    """n_buckets equal, fixed ranges [start, end) of positions in a chunk of max_seq_len tokens: with 8,
+    [0, L/8), [L/8, L/4), ..., [7L/8, L) (edges rounded; empty ranges dropped)."""
+    edges = [round(i * max_seq_len / n_buckets) for i in range(n_buckets + 1)]
+    return [(start, end) for start, end in zip(edges, edges[1:]) if end > start]
+
+
+@torch.no_grad()
+def perplexity_by_position(model, tokenizer, texts, *, max_seq_len: int, n_buckets: int = 8, split=None) -> dict:
+    """perplexity() broken down by where the predicted token sits in its chunk, so that a reader sees whether the
+    model uses the far context (a model that does predicts late positions better than early ones).
+
+    Returns {"perplexity", "nll", "tokens", "buckets": [{"start", "end", "tokens", "nll", "perplexity"}]}: nll the
+    mean negative log-likelihood (nats) of the tokens at positions [start, end) of every chunk (position 0, the
+    chunk's first token, is never predicted), perplexity its exp; the overall figures are perplexity()'s. Each
+    bucket is one forward with the labels outside it masked (-100), so a model that only returns its loss (a
+    chunked-loss patch) works too; that costs n_buckets forwards per chunk.
+    """
+    buckets = position_buckets(max_seq_len, n_buckets)
+    sums, counts = [0.0] * len(buckets), [0] * len(buckets)
+    with evaluation_mode(model):
+        for text in texts:
+            ids = tokenizer(text)["input_ids"]
+            for chunk_start in range(0, len(ids), max_seq_len):
+                chunk = ids[chunk_start:chunk_start + max_seq_len]
+                x = torch.tensor([chunk], dtype=torch.long, device=_device(model))
+                for b, (start, end) in enumerate(buckets):
+                    first, last = max(start, 1), min(end, len(chunk))
+                    if last <= first:
+                        continue
+                    labels = torch.full_like(x, -100)
+                    labels[:, first:last] = x[:, first:last]
+                    loss = _loss(model, x, labels, split)  # mean over the last - first targets
+                    sums[b] += loss.float().item() * (last - first)
+                    counts[b] += last - first
+    if sum(counts) == 0:
+        raise UserError("perplexity: the texts have no tokens to score; pass non-empty documents")
+    nll = sum(sums) / sum(counts)
+    rows = [{"start": start, "end": end, "tokens": count, "nll": total / count if count else None,
+             "perplexity": math.exp(total / count) if count else None}
+            for (start, end), total, count in zip(buckets, sums, counts)]
+    return {"perplexity": math.exp(nll), "nll": nll, "tokens": sum(counts), "buckets": rows}
+
+
+def format_perplexity(result: dict, max_seq_len: int) -> str:
+    lines = [f"perplexity at {max_seq_len} tokens: {result['perplexity']:.3f}", "positions      |    nll | perplexity"]
+    for row in result["buckets"]:
+        if row["tokens"]:
+            lines.append(f"[{row['start']:>5}, {row['end']:>5}) | {row['nll']:6.3f} | {row['perplexity']:10.3f}")
+    return "\n".join(lines)
+
+
+def format_table(result: dict, task: str = "passkey") -> str:
+    """A length x depth table of a task's accuracy (passkey_accuracy's / train.tasks.task_accuracy's result)."""
     depths = list(next(iter(result["by_length_depth"].values())))
     names = [f"d={d:g}".rjust(4) for d in depths]
     header = "length | " + " | ".join(names) + " |  all"
@@ -138,5 +206,5 @@ def format_table(result: dict) -> str:
     for length, row in result["by_length_depth"].items():
         cells = " | ".join(f"{row[d]:.2f}".rjust(len(n)) for d, n in zip(depths, names))
         lines.append(f"{length:>6} | {cells} | {result['by_length'][length]:.2f}")
-    lines.append(f"passkey accuracy: {result['accuracy']:.3f}")
+    lines.append(f"{task} accuracy: {result['accuracy']:.3f}")
     return "\n".join(lines)

@@ -37,7 +37,7 @@ from train import checkpoint, loop, run_dir
 from train.args import TINY_LLAMA_DIR, Args, parse_args
 from train.errors import UserError
 from train.lifecycle import SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise
-from train.metrics import EVAL_SEED, check_passkey_lengths, passkey_accuracy
+from train.metrics import EVAL_SEED
 from train.parallel import launched_world_size, make_layout
 from train.plan import PlanFailed, print_plan
 
@@ -83,6 +83,10 @@ def preflight(args: Args) -> Preflight:
     from train.rope import apply_rope_scaling
 
     check_tracker(args.report_to)
+    if args.eval_tasks is not None:
+        from train.tasks import check_task_names
+
+        args.eval_tasks = check_task_names(args.eval_tasks, "--eval_tasks")
     run_dir.check_output_dir(args.output_dir, resuming=bool(args.resume_from_checkpoint),
                              overwrite=args.overwrite_output_dir)
     resume_path = (checkpoint.resolve(args.resume_from_checkpoint, args.output_dir)
@@ -102,7 +106,9 @@ def preflight(args: Args) -> Preflight:
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     if args.eval_passkey:  # found now, not after training
-        check_passkey_lengths(tokenizer, args.eval_lengths or [args.max_seq_len])
+        from train.tasks import check_task_lengths
+
+        check_task_lengths(tokenizer, eval_tasks(args), args.eval_lengths or [args.max_seq_len])
     evals = (run_dir.read_json(os.path.join(args.output_dir, run_dir.EVAL_FILE)) if resume_path else None) or {}
     return Preflight(config, tokenizer, rope_factor, resume_path, evals)
 
@@ -216,30 +222,49 @@ def load_data(args: Args, tokenizer, *, main_process: bool = True):
 
 # ---------------------------------------------------------------- evaluation
 
-def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict,
-              step: int) -> dict | None:
-    """Passkey accuracy on the main process (the others wait: greedy decoding needs no data parallelism; under
-    FSDP every rank decodes, as every forward gathers the shards), printed, logged to the tracker at `step` and
-    written to eval.json under `when` ("before"/"after") beside the earlier results in `evals`."""
+def eval_tasks(args: Args) -> list[str]:
+    from train.tasks import DEFAULT_TASKS
 
-    def report(result: dict) -> dict:
-        lengths = ", ".join(f"{length}: {acc:.3f}" for length, acc in result["by_length"].items())
-        print(f"passkey accuracy {when} training: {result['accuracy']:.3f} (by length {lengths})", flush=True)
+    return args.eval_tasks or DEFAULT_TASKS
+
+
+def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict,
+              step: int, layout) -> dict | None:
+    """Accuracy of each --eval_tasks task on the main process (the others wait: greedy decoding needs no data
+    parallelism; under FSDP every rank decodes, as every forward gathers the shards; under sequence parallelism each
+    group decodes every prompt split as training splits its rows, train.split_eval), printed, logged to the tracker
+    at `step` (eval/<task>_accuracy, and _<length>) and written to eval.json under `when` ("before"/"after") beside
+    the earlier results in `evals`: {"tasks": {task: result}}, passkey's result also at the top level."""
+
+    def report(tasks: dict) -> dict:
+        logged = {}
+        for name, result in tasks.items():
+            lengths = ", ".join(f"{length}: {acc:.3f}" for length, acc in result["by_length"].items())
+            print(f"{name} accuracy {when} training: {result['accuracy']:.3f} (by length {lengths}){where}", flush=True)
+            logged[f"eval/{name}_accuracy"] = result["accuracy"]
+            logged.update({f"eval/{name}_accuracy_{length}": acc for length, acc in result["by_length"].items()})
+        result = {**tasks.get("passkey", {}), "tasks": tasks}
         run_dir.write_json(eval_path, {**evals, when: result})
         if args.report_to != "none":
-            accelerator.log({"eval/passkey_accuracy": result["accuracy"],
-                             **{f"eval/passkey_accuracy_{length}": acc for length, acc in result["by_length"].items()}},
-                            step=step)
+            accelerator.log(logged, step=step)
         return result
 
     def evaluate() -> dict:
-        return passkey_accuracy(accelerator.unwrap_model(model), tokenizer, lengths=args.eval_lengths or
-                                [args.max_seq_len], depths=args.eval_depths, trials=args.eval_trials, seed=EVAL_SEED)
+        from train.tasks import evaluate_tasks
 
-    if args.fsdp:  # every rank takes part in the forwards; the main one reports
-        result = evaluate()
-        on_main(accelerator, lambda: report(result))
-        return result
+        return evaluate_tasks(accelerator.unwrap_model(model), tokenizer, eval_tasks(args),
+                              lengths=args.eval_lengths or [args.max_seq_len], depths=args.eval_depths,
+                              trials=args.eval_trials, seed=EVAL_SEED, split=split)
+
+    split, where = None, ""
+    if layout.sequence_parallel > 1:  # each prompt split over the group, as training splits its rows
+        from train.split_eval import SplitEval
+
+        split = SplitEval(layout.group, layout.mode)
+        where = f"; each prompt split over {layout.sequence_parallel} processes ({layout.mode})"
+    if args.fsdp or split is not None:  # every rank takes part in the forwards; the main one reports
+        tasks = evaluate()
+        return on_main(accelerator, lambda: report(tasks)) or {**tasks.get("passkey", {}), "tasks": tasks}
     return on_main(accelerator, lambda: report(evaluate()))
 
 
@@ -300,7 +325,8 @@ def run(args: Args) -> RunResult:
     eval_path = os.path.join(out, run_dir.EVAL_FILE)
     evals = plan.evals  # a resumed run keeps its "before"
     if args.eval_passkey and "before" not in evals:
-        evals["before"] = _evaluate(accelerator, model, tokenizer, args, "before", eval_path, evals, start_step)
+        evals["before"] = _evaluate(accelerator, model, tokenizer, args, "before", eval_path, evals, start_step,
+                                    layout)
 
     losses = loop.train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, layout=layout,
                              start_step=start_step, position=position, steps=steps,
@@ -311,12 +337,16 @@ def run(args: Args) -> RunResult:
         trained.save_pretrained(out, state_dict=weights)
         tokenizer.save_pretrained(out)
     if args.eval_passkey:
-        evals["after"] = _evaluate(accelerator, model, tokenizer, args, "after", eval_path, evals, steps)
+        evals["after"] = _evaluate(accelerator, model, tokenizer, args, "after", eval_path, evals, steps, layout)
     if args.merge:
         from train.model import merge_adapter
 
         on_main(accelerator, lambda: merge_adapter(args, plan.config, out, os.path.join(out, run_dir.MERGED_DIR),
                                                   tokenizer))
+    if main_process:
+        from train.plots import write_run_pictures
+
+        write_run_pictures(out, evals, run_dir.METRICS_FILE)  # loss.png, accuracy_<task>.png
     if main_process:  # last: the marker that the run finished
         run_dir.write_json(os.path.join(out, run_dir.RUN_INFO_FILE), {
             "finished": True, "steps": steps, "final_loss": losses[-1] if losses else None,
@@ -336,7 +366,7 @@ def finished_message(args: Args, steps: int) -> str:
     out = args.output_dir
     parts = [f"adapter and tokenizer in {out}", f"metrics in {os.path.join(out, run_dir.METRICS_FILE)}"]
     if args.eval_passkey:
-        parts.append(f"passkey evaluation in {os.path.join(out, run_dir.EVAL_FILE)}")
+        parts.append(f"{', '.join(eval_tasks(args))} evaluation in {os.path.join(out, run_dir.EVAL_FILE)}")
     if args.merge:
         parts.append(f"merged model in {os.path.join(out, run_dir.MERGED_DIR)}")
     return (f"done: {steps} step{'s' if steps != 1 else ''}; {'; '.join(parts)}; evaluate with python -m train.eval "

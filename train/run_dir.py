@@ -7,6 +7,8 @@
     merged/                        the base merged with the adapter (--merge)
     run_info.json                  written last: the marker that the run finished (base, RoPE, bits, args)
     eval_results.json              what `python -m train.eval --adapter OUTPUT_DIR` measured (unless --output_json)
+    loss.png, accuracy_<task>.png  pictures of the loss curve and of eval.json (train.plots; with matplotlib)
+    eval_results_accuracy_<task>.png  pictures of eval_results.json
 """
 from __future__ import annotations
 
@@ -97,7 +99,9 @@ def clear_previous_run(output_dir: str) -> None:
     """--overwrite_output_dir: remove what an earlier run wrote (only our own files)."""
     for path in checkpoint.list_checkpoints(output_dir) + [os.path.join(output_dir, MERGED_DIR)]:
         shutil.rmtree(path, ignore_errors=True)
-    for name in (RUN_INFO_FILE, METRICS_FILE, EVAL_FILE):
+    pictures = [name for name in os.listdir(output_dir) if name == "loss.png" or
+                (name.startswith("accuracy_") and name.endswith(".png"))]
+    for name in (RUN_INFO_FILE, METRICS_FILE, EVAL_FILE, *pictures):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(output_dir, name))
 

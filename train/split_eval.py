@@ -36,10 +36,11 @@ def _shard_positions(n: int, split: SplitEval, device) -> torch.Tensor:
     return shard(torch.arange(n, device=device), 0, rank, world, pad_value=-1)
 
 
-def _split_forward(model, input_ids: torch.Tensor, split: SplitEval, **kwargs):
+def _split_forward(model, input_ids: torch.Tensor, split: SplitEval, labels: torch.Tensor | None = None, **kwargs):
     from patches.sequence_parallel import sequence_parallel_attention, shard_batch
 
-    local, context = shard_batch({"input_ids": input_ids, "labels": input_ids}, split.group, split.mode)
+    labels = input_ids if labels is None else labels
+    local, context = shard_batch({"input_ids": input_ids, "labels": labels}, split.group, split.mode)
     if "logits_to_keep" in kwargs:  # decoding: no loss
         local.pop("shift_labels"), local.pop("num_items_in_batch")
     with sequence_parallel_attention(model, context):
@@ -47,11 +48,12 @@ def _split_forward(model, input_ids: torch.Tensor, split: SplitEval, **kwargs):
 
 
 @torch.no_grad()
-def split_loss(model, input_ids: torch.Tensor, split: SplitEval) -> torch.Tensor:
-    """Mean next-token loss of input_ids [B, N] (every token a target), on every rank of the group."""
+def split_loss(model, input_ids: torch.Tensor, split: SplitEval, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token loss of input_ids [B, N] (labels as for the model: unshifted, -100 not counted; default every
+    token), on every rank of the group."""
     from patches.sequence_parallel import group_loss
 
-    return group_loss(_split_forward(model, input_ids, split).loss, split.group)
+    return group_loss(_split_forward(model, input_ids, split, labels).loss, split.group)
 
 
 @torch.no_grad()
