@@ -58,14 +58,22 @@ def check_fsdp(args, config) -> None:
     if args.optim == "paged_adamw_8bit":
         raise UserError("--optim paged_adamw_8bit keeps bitsandbytes states that FSDP cannot shard; use --optim adamw "
                         "with --fsdp")
+    storage = saved_4bit_storage(config)
+    if storage is not None and not storage.startswith(("float", "bfloat")):
+        raise UserError(f"{args.model_name_or_path} is saved already quantised to 4 bits in {storage} storage, "
+                        "which FSDP cannot shard (training would run at loss 0 with NaN gradients); use the "
+                        "unquantised base (this recipe quantises it for FSDP) or drop --fsdp")
+
+
+def saved_4bit_storage(config) -> str | None:
+    """The storage dtype ("uint8", "float32", ...) of a base saved already quantised to 4 bits, else None."""
     quantized = getattr(config, "quantization_config", None)
-    if quantized is not None:
-        quantized = quantized if isinstance(quantized, dict) else quantized.to_dict()
-        storage = str(quantized.get("bnb_4bit_quant_storage") or "uint8").replace("torch.", "")
-        if quantized.get("load_in_4bit") and not storage.startswith(("float", "bfloat")):
-            raise UserError(f"{args.model_name_or_path} is saved already quantised to 4 bits in {storage} storage, "
-                            "which FSDP cannot shard (training would run at loss 0 with NaN gradients); use the "
-                            "unquantised base (this recipe quantises it for FSDP) or drop --fsdp")
+    if quantized is None:
+        return None
+    quantized = quantized if isinstance(quantized, dict) else quantized.to_dict()
+    if not quantized.get("load_in_4bit"):
+        return None
+    return str(quantized.get("bnb_4bit_quant_storage") or "uint8").replace("torch.", "")
 
 
 def _check_storage(model) -> None:
@@ -118,13 +126,18 @@ def local_share(model) -> float:
 
 def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
     """{name: full tensor on CPU} of the trainable parameters, on the ranks where `keep` (others get {}). Every rank
-    must call it: gathering a shard is a collective."""
+    must call it: gathering a shard is a collective. FSDP2 shards (DTensor) and ZeRO-3 partitions alike."""
     from torch.distributed.tensor import DTensor
 
     state = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if hasattr(param, "ds_id"):  # a DeepSpeed ZeRO-3 partition (train.deepspeed)
+                from train.deepspeed import full_tensor
+
+                full = full_tensor(param)
+            else:
+                full = param.full_tensor() if isinstance(param, DTensor) else param
             if keep:
                 state[name] = full.detach().cpu()
     return state
