@@ -138,11 +138,13 @@ def ds_config(args, zero3: Zero3, world: int) -> dict:
 
 def initialize(model, optimizer, args, zero3: Zero3, world: int):
     """The DeepSpeed engine around `model` (partitioned over every process) stepping `optimizer` (whose param groups
-    the scheduler keeps driving). Weights must be final (resumed adapter loaded) before this."""
+    the scheduler keeps driving). Weights must be final (resumed adapter loaded) before this. Raises ValueError for
+    4-bit data in uint8 storage."""
     import deepspeed
 
-    from train.fsdp import trainable_in_fp32
+    from train.fsdp import check_storage, trainable_in_fp32
 
+    check_storage(model, "ZeRO-3")
     trainable_in_fp32(model)  # one dtype for the flat fp32 partitions
     model.train()  # as for FSDP: bitsandbytes' CPU eval-mode repacking must not meet partitioned data
     if args.bpt:

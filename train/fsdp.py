@@ -76,11 +76,13 @@ def saved_4bit_storage(config) -> str | None:
     return str(quantized.get("bnb_4bit_quant_storage") or "uint8").replace("torch.", "")
 
 
-def _check_storage(model) -> None:
+def check_storage(model, what: str = "FSDP") -> None:
+    """ValueError when 4-bit data sits in integer tensors, which `what` (FSDP, ZeRO-3) cannot split."""
     for name, param in model.named_parameters():
         if type(param).__name__ == "Params4bit" and not param.dtype.is_floating_point:
-            raise ValueError(f"{name} keeps its 4-bit data in {param.dtype}, which FSDP cannot shard (training would "
-                             "run at loss 0 with NaN gradients); load the base with "
+            why = " (training would run at loss 0 with NaN gradients)" if what == "FSDP" else ""
+            raise ValueError(f"{name} keeps its 4-bit data in {param.dtype}, which {what} cannot shard{why}; load the "
+                             "base with "
                              "BitsAndBytesConfig(bnb_4bit_quant_storage=<the compute dtype>)")
 
 
@@ -99,7 +101,7 @@ def shard_model(model, cpu_offload: bool = False) -> None:
     CUDA is (pinning needs it). Raises ValueError for 4-bit data in uint8 storage."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    _check_storage(model)
+    check_storage(model)
     trainable_in_fp32(model)
     model.train()
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
