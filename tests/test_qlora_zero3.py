@@ -52,11 +52,16 @@ def _assert_same_steps(out, reference) -> None:
         assert [m[key] for m in got] == pytest.approx([m[key] for m in expected], rel=1e-5), key
 
 
-def _assert_close_tensors(got: dict, expected: dict) -> None:
+def _assert_close_tensors(got: dict, expected: dict, relative: float | None = None) -> None:
+    """Every element within 1e-5 (absolute and relative: LoRA weights are ~0.1), or with `relative`, within that
+    fraction of the tensor's largest magnitude (optimizer moments, whose scale is far from 1)."""
     assert got.keys() == expected.keys() and expected
     for name in expected:
-        scale = expected[name].abs().max().clamp_min(1e-12)
-        assert float((got[name] - expected[name]).abs().max() / scale) <= 1e-5, name
+        if relative is None:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+        else:
+            scale = expected[name].abs().max().clamp_min(1e-30)
+            assert float((got[name] - expected[name]).abs().max() / scale) <= relative, name
 
 
 def test_zero3_partitions_the_4bit_base_and_matches_one_process(tiny, tmp_path):
@@ -84,7 +89,7 @@ def test_zero3_partitions_the_4bit_base_and_matches_one_process(tiny, tmp_path):
     for name, state in reference["state"].items():
         assert float(saved["state"][name]["step"]) == float(state["step"]) == 2
         _assert_close_tensors({k: saved["state"][name][k] for k in ("exp_avg", "exp_avg_sq")},
-                              {k: state[k] for k in ("exp_avg", "exp_avg_sq")})
+                              {k: state[k] for k in ("exp_avg", "exp_avg_sq")}, relative=1e-4)
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
