@@ -8,6 +8,7 @@ The first launch on a fresh machine JIT-builds DeepSpeed's shared-memory communi
 ~/.cache/torch_extensions); the optimizer is torch's AdamW, so no cpu_adam build."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,12 +69,17 @@ def test_zero3_partitions_the_4bit_base_and_matches_one_process(tiny, tmp_path):
     """Data parallel over 2 processes (one row per micro-batch, 2 micro-batches a step) with every weight partitioned,
     vs one process with both rows per micro-batch: losses, gradient norms (clipped at the default 1.0: the norms are
     above it), the adapter and the optimizer state of checkpoint-2."""
+    # Passkey evaluation before and after training: every rank decodes (each forward gathers the partitions).
+    passkey = ("--rope_scaling", "linear", "--rope_factor", 2, "--eval_passkey", "--eval_trials", 1,
+               "--eval_lengths", 140)  # 256 positions: room for a passkey prompt
     one = tmp_path / "one"
-    run(parse_args(base_argv(tiny, one, *COMMON, "--per_device_train_batch_size", 2,
+    run(parse_args(base_argv(tiny, one, *COMMON, *passkey, "--per_device_train_batch_size", 2,
                              "--gradient_accumulation_steps", 2)))
     two = tmp_path / "two"
-    done = _launch(tiny, two, "--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2)
+    done = _launch(tiny, two, *passkey, "--per_device_train_batch_size", 1, "--gradient_accumulation_steps", 2)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "passkey accuracy after training" in done.stdout and done.stdout.count("passkey accuracy") == 2
+    assert json.loads((two / "eval.json").read_text()) == json.loads((one / "eval.json").read_text())
     # Every parameter partitioned, the 4-bit data (float storage) included: each process holds half.
     assert "DeepSpeed ZeRO-3 over 2 process(es), the main one holding 50.0% of the weights" in done.stderr
     _assert_same_steps(two, one)
@@ -94,18 +100,22 @@ def test_zero3_partitions_the_4bit_base_and_matches_one_process(tiny, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(tiny / "model")
+    from train.model import read_run
+
+    base = AutoModelForCausalLM.from_pretrained(tiny / "model", config=read_run(str(two)).config)
     loaded = PeftModel.from_pretrained(base, two)
     name = next(n for n, p in loaded.named_parameters() if "lora_B" in n)
     assert loaded.get_parameter(name).abs().sum() > 0  # trained values, not peft's zero init
 
 
 def test_zero3_with_param_and_optimizer_offload_matches_one_process(tiny, tmp_path):
-    """deepspeed_zero3_offload.yaml: partitions, gradients and the (torch AdamW) step in host memory."""
+    """deepspeed_zero3_offload.yaml: partitions, gradients and the (torch AdamW) step in host memory; clipping at a
+    --max_grad_norm that is not DeepSpeed's default."""
+    clip = ("--max_grad_norm", 2.5)  # not DeepSpeed's default 1.0: step 1's norm (~2.2) is clipped by that only
     one = tmp_path / "one"
-    run(parse_args(base_argv(tiny, one, *COMMON, "--per_device_train_batch_size", 2)))
+    run(parse_args(base_argv(tiny, one, *COMMON, *clip, "--per_device_train_batch_size", 2)))
     out = tmp_path / "offload"
-    done = _launch(tiny, out, "--per_device_train_batch_size", 1, config=OFFLOAD_CONFIG)
+    done = _launch(tiny, out, *clip, "--per_device_train_batch_size", 1, config=OFFLOAD_CONFIG)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ("the main one holding 50.0% of the weights in host memory, its optimizer state in host memory"
             in done.stderr)
