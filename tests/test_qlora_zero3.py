@@ -141,6 +141,21 @@ def test_resume_under_zero3_matches_the_uninterrupted_run(tiny, tmp_path):
     _assert_close_tensors(_adapter(out), _adapter(one))
 
 
+def test_a_ddp_checkpoint_resumes_under_zero3(tiny, tmp_path):
+    """The checkpoint format is common: a run stopped under plain DDP (torch's full optimizer state dict) goes on
+    under ZeRO-3 (that state scattered into the partitions) with the losses of the uninterrupted run."""
+    one = tmp_path / "one"
+    run(parse_args(base_argv(tiny, one, *COMMON, "--per_device_train_batch_size", 2)))
+    out = tmp_path / "ddp-then-zero3"
+    stopped = _launch(tiny, out, "--per_device_train_batch_size", 1, config=REPO / "configs/accelerate/cpu_ddp.yaml",
+                      crash_after=2)
+    assert "crashing after step 2" in stopped.stderr and "ZeRO-3 over" not in stopped.stderr, stopped.stderr[-3000:]
+    resumed = _launch(tiny, out, "--per_device_train_batch_size", 1, "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "checkpoint-2 at step 2" in resumed.stderr and "DeepSpeed ZeRO-3 over 2" in resumed.stderr
+    _assert_same_steps(out, one)
+
+
 def test_sequence_parallel_inside_zero3_matches_one_process(tiny, tmp_path):
     """--sequence_parallel 2 on 2 processes: both ranks split each sequence (ring attention) and form the ZeRO-3
     world; a 16-bit base with LoRA. One process trains the same rows."""
