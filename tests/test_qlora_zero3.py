@@ -29,12 +29,13 @@ CONFIG = REPO / "configs/accelerate/deepspeed_zero3.yaml"
 OFFLOAD_CONFIG = REPO / "configs/accelerate/deepspeed_zero3_offload.yaml"
 
 
-def _launch(tiny, out, *extra, config=CONFIG, crash_after: int | None = None) -> subprocess.CompletedProcess:
-    """train.qlora on 2 processes under the DeepSpeed launch config; crash_after=N: every process exits 3 once
-    checkpoint-N is written."""
+def _launch(tiny, out, *extra, config=CONFIG, crash_after: int | None = None,
+            processes: int = 2) -> subprocess.CompletedProcess:
+    """train.qlora on `processes` processes under the DeepSpeed launch config; crash_after=N: every process exits 3
+    once checkpoint-N is written."""
     program = (["-m", "train.qlora"] if crash_after is None
                else [str(REPO / "tests/qlora_crash_after.py"), str(crash_after)])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", str(processes),
            *program, *base_argv(tiny, out, *COMMON, *extra)]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
 
@@ -167,6 +168,19 @@ def test_sequence_parallel_inside_zero3_matches_one_process(tiny, tmp_path):
     assert "sequences split 2 ways" in done.stderr and "DeepSpeed ZeRO-3 over 2 process(es)" in done.stderr
     _assert_same_steps(out, one)
     _assert_close_tensors(_adapter(out), _adapter(one))
+
+
+def test_sequence_parallel_groups_inside_the_zero3_world_match_one_process(tiny, tmp_path):
+    """SP 2 x data parallel 2 on 4 processes: ranks 0-1 and 2-3 each split their rows' sequences, ZeRO-3 partitions
+    over all 4 (a quarter each); 4-bit base. One process trains both groups' rows at once."""
+    one = tmp_path / "one"
+    run(parse_args(base_argv(tiny, one, *COMMON, "--per_device_train_batch_size", 2)))
+    out = tmp_path / "sp-dp"
+    done = _launch(tiny, out, "--per_device_train_batch_size", 1, "--sequence_parallel", 2, processes=4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("sequences split 2 ways (ring); DeepSpeed ZeRO-3 over 4 process(es), the main one holding 25.0% of the "
+            "weights") in done.stderr
+    _assert_same_steps(out, one)
 
 
 def _save_prequantized(directory) -> None:

@@ -253,17 +253,19 @@ def gathered_optimizer_state(model, main: bool) -> dict:
 
 def load_optimizer_state(model, saved: dict) -> None:
     """Scatter a full optimizer state dict (gathered_optimizer_state's or torch's) into the ZeRO-3 partitions (every
-    rank, with the whole dict)."""
+    rank, with the whole dict). Raises ValueError when it is not this model's."""
     trainable = _trainable(model)
-    if len(saved["param_groups"]) != 1 or {n for n, _ in trainable} != set(saved["state"]):
+    names = [name for name, _ in trainable]
+    if len(saved["param_groups"]) != 1 or saved["param_groups"][0]["params"] != names \
+            or not set(saved["state"]) <= set(names):
         raise ValueError("the optimizer state does not match this model's trainable parameters")
-    hyper = {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
+    hyper = {k: v for k, v in saved["param_groups"][0].items() if k != "params"}  # lr, betas, initial_lr, ...
+    for group in trainable[0][1]._z3_optimizer.optimizer.param_groups:
+        group.update(hyper)
     for name, param in trainable:
         zero, flat = _flat_partition(param)
-        for group in zero.optimizer.param_groups:
-            group.update(hyper)
         flat_state = zero.optimizer.state[flat]
-        for key, value in saved["state"][name].items():
+        for key, value in saved["state"].get(name, {}).items():  # none: a parameter that never had a gradient
             if torch.is_tensor(value) and value.dim() > 0:
                 if key not in flat_state:
                     flat_state[key] = torch.zeros_like(flat)
