@@ -1,8 +1,8 @@
-"""`python -m train.qlora` under `accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml` (CPU processes
-over gloo): the 4-bit base and LoRA partitioned by DeepSpeed ZeRO-3, per-step losses and gradient norms equal to one
-process (gradient accumulation, clipping and the lr schedule included), the adapter saved whole in peft's format, the
-optimizer state gathered in the common format, param + optimizer offload, resume, sequence parallelism inside the
-ZeRO world, and what ZeRO-3 cannot run refused with one line before any weights load.
+"""`python -m train.qlora` under `accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml` (CPU
+processes over gloo): the 4-bit base and LoRA partitioned by DeepSpeed ZeRO-3, per-step losses and gradient norms
+equal to one process (gradient accumulation, clipping and the lr schedule included), the adapter saved whole in peft's
+format, the optimizer state gathered in the common format, param + optimizer offload, resume, sequence parallelism
+inside the ZeRO world, and what ZeRO-3 cannot run refused with one line before any weights load.
 
 The first launch on a fresh machine JIT-builds DeepSpeed's shared-memory communication op (~60 s, then cached under
 ~/.cache/torch_extensions); the optimizer is torch's AdamW, so no cpu_adam build."""
@@ -35,8 +35,8 @@ def _launch(tiny, out, *extra, config=CONFIG, crash_after: int | None = None,
     once checkpoint-N is written."""
     program = (["-m", "train.qlora"] if crash_after is None
                else [str(REPO / "tests/qlora_crash_after.py"), str(crash_after)])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", str(processes),
-           *program, *base_argv(tiny, out, *COMMON, *extra)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+           "--num_processes", str(processes), *program, *base_argv(tiny, out, *COMMON, *extra)]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
 
 
@@ -242,7 +242,8 @@ def test_initialize_refuses_uint8_4bit_storage(tiny):
 
     from train.deepspeed import Zero3, initialize
 
-    model = AutoModelForCausalLM.from_pretrained(tiny / "model", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    model = AutoModelForCausalLM.from_pretrained(tiny / "model",
+                                                 quantization_config=BitsAndBytesConfig(load_in_4bit=True))
     args = parse_args(["--max_steps", "1"])
     with pytest.raises(ValueError, match=r"keeps its 4-bit data in torch.uint8, which ZeRO-3 cannot shard; .*"
                                          r"bnb_4bit_quant_storage"):
