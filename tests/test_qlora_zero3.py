@@ -210,6 +210,13 @@ def _save_prequantized(directory) -> None:
     ((), {"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"}, "error: offload_param_device nvme: train.qlora "
                                                                "offloads ZeRO-3 partitions to cpu or not at all "
                                                                "(none)"),
+    ((), {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, "error: the DeepSpeed launch config sets "
+                                                          "gradient_accumulation_steps: 4, and this run has "
+                                                          "--gradient_accumulation_steps 1: train.qlora takes it from "
+                                                          "--gradient_accumulation_steps only"),
+    (("--max_grad_norm", 0.5), {"ACCELERATE_GRADIENT_CLIPPING": "1.0"}, "error: the DeepSpeed launch config sets "
+                                                                        "gradient_clipping: 1.0, and this run has "
+                                                                        "--max_grad_norm 0.5"),
     ((), {"ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds.json"}, "error: train.qlora builds the DeepSpeed config from its own "
                                                           "flags and does not read deepspeed_config_file (ds.json)"),
 ])
@@ -279,3 +286,17 @@ def test_a_deepspeed_launch_with_one_process_trains_unsharded_with_a_note(tiny, 
     assert ("note: DeepSpeed ZeRO-3 with one process has nothing to partition over; training unsharded"
             in capsys.readouterr().err)
     assert noted.losses == plain.losses
+
+
+def test_launch_config_values_equal_to_the_flags_are_accepted(monkeypatch, capsys):
+    """`accelerate config` writes gradient_accumulation_steps: 1 and gradient_clipping: 1.0 by default: equal to the
+    flags they pass; zero3_init_flag gets a note."""
+    from train.deepspeed import Zero3, check_zero3
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true")
+    args = parse_args(["--max_steps", "1", "--gradient_accumulation_steps", "2"])
+    assert check_zero3(args, None, Zero3(offload_param=True)) == Zero3(offload_param=True)
+    assert "note: zero3_init_flag is not used" in capsys.readouterr().err

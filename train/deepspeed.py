@@ -37,6 +37,11 @@ STAGE_ENV = "ACCELERATE_DEEPSPEED_ZERO_STAGE"
 OFFLOAD_ENV = {"param": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
                "optimizer": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"}
 CONFIG_FILE_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+ZERO3_INIT_ENV = "ACCELERATE_DEEPSPEED_ZERO3_INIT"
+# deepspeed_config keys of the launch config that our flags own: (environment variable, flag, type)
+FLAG_OWNED = {"gradient_accumulation_steps": ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "gradient_accumulation_steps",
+                                              int),
+              "gradient_clipping": ("ACCELERATE_GRADIENT_CLIPPING", "max_grad_norm", float)}
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,15 @@ def check_zero3(args, config, zero3: Zero3 | None) -> Zero3 | None:
         raise UserError("a DeepSpeed ZeRO-3 launch partitions the model with DeepSpeed; --fsdp would shard it again "
                         "with FSDP2: drop --fsdp (or launch with configs/accelerate/cpu_ddp.yaml or fsdp2_qlora.yaml "
                         "to use FSDP2)")
+    for key, (env, flag, kind) in FLAG_OWNED.items():
+        value = os.environ.get(env, "none")
+        if value.lower() not in ("", "none") and kind(value) != getattr(args, flag):
+            raise UserError(f"the DeepSpeed launch config sets {key}: {value}, and this run has --{flag} "
+                            f"{getattr(args, flag)}: train.qlora takes it from --{flag} only (drop {key} from the "
+                            "launch config or pass the same value)")
+    if os.environ.get(ZERO3_INIT_ENV, "false").lower() == "true":
+        print("note: zero3_init_flag is not used: each process loads the (4-bit) base whole, then DeepSpeed "
+              "partitions it", file=sys.stderr, flush=True)
     if launched_world_size() == 1:
         print("note: DeepSpeed ZeRO-3 with one process has nothing to partition over; training unsharded (launch "
               "several processes with accelerate launch --num_processes N to partition)", file=sys.stderr, flush=True)
