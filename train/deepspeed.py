@@ -16,10 +16,13 @@ What ZeRO-3 asks of the rest of the run:
 - Every rank runs every forward (parameters are gathered module by module): evaluation runs on all ranks.
 - The adapter and the optimizer state are gathered into whole tensors (collectives) and saved in the same format
   as the other layouts (peft adapter, torch's full optimizer state dict keyed by parameter name).
-- No mixed precision inside DeepSpeed (its bf16 mode would cast the packed 4-bit data): trainable weights stay
-  fp32 and accelerate's autocast computes in bf16 on GPUs, as in the other layouts.
+- The blockwise patch's chunked MLPs and LM head hand their module's parameters to autograd Functions that
+  recompute the module inside their own backward: those modules are ZeRO-3 "leaf" modules (all their parameters
+  gathered for their forward and backward), and DeepSpeed's memory-efficient linear is off (`recomputing_modules`).
+- No mixed precision inside DeepSpeed (its bf16 mode casts the module's parameters, packed 4-bit data among them):
+  trainable weights stay fp32 and accelerate's autocast computes in bf16 on GPUs, as in the other layouts.
 - A torch optimizer, also with optimizer offload (no cpu_adam JIT build). On CPU DeepSpeed JIT-builds its
-  shared-memory communication op once per machine (~60 s; cached under ~/.cache/torch_extensions).
+  shared-memory communication op once per machine (20-60 s here; cached under ~/.cache/torch_extensions).
 """
 from __future__ import annotations
 
