@@ -210,14 +210,6 @@ def local_share(model) -> float:
     return local / max(whole, 1)
 
 
-def full_tensor(param) -> torch.Tensor:
-    """The whole parameter on CPU, gathered from its partitions (a collective: every rank calls it)."""
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-    with GatheredParameters([param]):
-        return param.data.detach().cpu().clone()
-
-
 def backward(engine, loss: torch.Tensor, boundary: bool) -> None:
     """Backward of one micro-batch; `boundary`: the last of the optimizer step (its gradients are then reduced).
     The loss is already normalised over the step (train.loop.accumulate): DeepSpeed must not divide it again."""

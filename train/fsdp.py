@@ -134,10 +134,11 @@ def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
     state = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            if hasattr(param, "ds_id"):  # a DeepSpeed ZeRO-3 partition (train.deepspeed)
-                from train.deepspeed import full_tensor
+            if hasattr(param, "ds_id"):  # a DeepSpeed ZeRO-3 partition (train.deepspeed): gathered whole
+                from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
-                full = full_tensor(param)
+                with GatheredParameters([param]):
+                    full = param.data.detach().cpu().clone()
             else:
                 full = param.full_tensor() if isinstance(param, DTensor) else param
             if keep:
