@@ -2,7 +2,7 @@
 
 A checkpoint holds everything the resumed run needs to repeat the uninterrupted run's steps exactly:
 
-    adapter_config.json, adapter_model.safetensors   the trainable weights (peft format, gathered under FSDP)
+    adapter_config.json, adapter_model.safetensors   the trainable weights (peft format, gathered under FSDP / ZeRO-3)
     optimizer.pt                                       the optimizer's full state dict (torch.distributed.checkpoint)
     scheduler.pt                                       the scheduler's state_dict
     rng_state.pt                                       python / numpy / torch (and CUDA) RNG, one per rank
@@ -151,9 +151,12 @@ def gathered_states(model, optimizer, main: bool) -> tuple[dict, dict]:
     state dict (keyed by parameter name), the same with or without FSDP, so either run can resume the other's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    from train.deepspeed import gathered_optimizer_state, partitioned
     from train.fsdp import gathered_trainable_state
 
     weights = gathered_trainable_state(model, keep=main)
+    if partitioned(model):  # DeepSpeed ZeRO-3: gathered from its flat partitions into the same format
+        return weights, gathered_optimizer_state(model, main)
     state = get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return weights, state
@@ -203,11 +206,16 @@ def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
     state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    from train.deepspeed import load_optimizer_state, partitioned
+
     state = read_state(path)
     try:
-        set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
-                                 torch.load(os.path.join(path, "optimizer.pt"), weights_only=False),
-                                 options=StateDictOptions(full_state_dict=True))
+        saved = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False)
+        if partitioned(model):  # into DeepSpeed ZeRO-3's flat partitions
+            load_optimizer_state(model, saved)
+        else:
+            set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), saved,
+                                     options=StateDictOptions(full_state_dict=True))
         if scheduler is not None:
             scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
         rng_states = torch.load(os.path.join(path, "rng_state.pt"), weights_only=False)

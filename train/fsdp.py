@@ -58,21 +58,31 @@ def check_fsdp(args, config) -> None:
     if args.optim == "paged_adamw_8bit":
         raise UserError("--optim paged_adamw_8bit keeps bitsandbytes states that FSDP cannot shard; use --optim adamw "
                         "with --fsdp")
+    storage = saved_4bit_storage(config)
+    if storage is not None and not storage.startswith(("float", "bfloat")):
+        raise UserError(f"{args.model_name_or_path} is saved already quantised to 4 bits in {storage} storage, "
+                        "which FSDP cannot shard (training would run at loss 0 with NaN gradients); use the "
+                        "unquantised base (this recipe quantises it for FSDP) or drop --fsdp")
+
+
+def saved_4bit_storage(config) -> str | None:
+    """The storage dtype ("uint8", "float32", ...) of a base saved already quantised to 4 bits, else None."""
     quantized = getattr(config, "quantization_config", None)
-    if quantized is not None:
-        quantized = quantized if isinstance(quantized, dict) else quantized.to_dict()
-        storage = str(quantized.get("bnb_4bit_quant_storage") or "uint8").replace("torch.", "")
-        if quantized.get("load_in_4bit") and not storage.startswith(("float", "bfloat")):
-            raise UserError(f"{args.model_name_or_path} is saved already quantised to 4 bits in {storage} storage, "
-                            "which FSDP cannot shard (training would run at loss 0 with NaN gradients); use the "
-                            "unquantised base (this recipe quantises it for FSDP) or drop --fsdp")
+    if quantized is None:
+        return None
+    quantized = quantized if isinstance(quantized, dict) else quantized.to_dict()
+    if not quantized.get("load_in_4bit"):
+        return None
+    return str(quantized.get("bnb_4bit_quant_storage") or "uint8").replace("torch.", "")
 
 
-def _check_storage(model) -> None:
+def check_storage(model, what: str = "FSDP") -> None:
+    """ValueError when 4-bit data sits in integer tensors, which `what` (FSDP, ZeRO-3) cannot split."""
     for name, param in model.named_parameters():
         if type(param).__name__ == "Params4bit" and not param.dtype.is_floating_point:
-            raise ValueError(f"{name} keeps its 4-bit data in {param.dtype}, which FSDP cannot shard (training would "
-                             "run at loss 0 with NaN gradients); load the base with "
+            why = " (training would run at loss 0 with NaN gradients)" if what == "FSDP" else ""
+            raise ValueError(f"{name} keeps its 4-bit data in {param.dtype}, which {what} cannot shard{why}; load the "
+                             "base with "
                              "BitsAndBytesConfig(bnb_4bit_quant_storage=<the compute dtype>)")
 
 
@@ -91,7 +101,7 @@ def shard_model(model, cpu_offload: bool = False) -> None:
     CUDA is (pinning needs it). Raises ValueError for 4-bit data in uint8 storage."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    _check_storage(model)
+    check_storage(model)
     trainable_in_fp32(model)
     model.train()
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -118,13 +128,19 @@ def local_share(model) -> float:
 
 def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
     """{name: full tensor on CPU} of the trainable parameters, on the ranks where `keep` (others get {}). Every rank
-    must call it: gathering a shard is a collective."""
+    must call it: gathering a shard is a collective. FSDP2 shards (DTensor) and ZeRO-3 partitions alike."""
     from torch.distributed.tensor import DTensor
 
     state = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if hasattr(param, "ds_id"):  # a DeepSpeed ZeRO-3 partition (train.deepspeed): gathered whole
+                from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+                with GatheredParameters([param]):
+                    full = param.data.detach().cpu().clone()
+            else:
+                full = param.full_tensor() if isinstance(param, DTensor) else param
             if keep:
                 state[name] = full.detach().cpu()
     return state

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from train import checkpoint
+from train import checkpoint, deepspeed
 from train.args import Args
 from train.fsdp import full_norm
 from train.lifecycle import SIGNALS, Interrupted
@@ -135,6 +135,7 @@ def accumulate(model, group: list[dict], accelerator, layout: Layout) -> tuple[f
     n_items = (accelerator.reduce(sum(_targets(b) for b in group).to(device), "sum") // copies).clamp(min=1)
     tokens = accelerator.reduce(sum(_tokens(b) for b in group).to(device), "sum") // copies
     total = torch.zeros((), device=device)
+    engine = model if deepspeed.is_engine(model) else None  # ZeRO-3: the engine reduces at the step's boundary
     for i, micro in enumerate(group):
         micro = {k: v.to(device) for k, v in micro.items()}
         split = contextlib.nullcontext()
@@ -143,13 +144,17 @@ def accumulate(model, group: list[dict], accelerator, layout: Layout) -> tuple[f
             split = sequence_parallel_attention(accelerator.unwrap_model(model), context)
         micro["num_items_in_batch"] = n_items
         # Gradients are all-reduced only on the step's last micro-batch.
-        sync = contextlib.nullcontext() if i == len(group) - 1 else accelerator.no_sync(model)
+        last = i == len(group) - 1
+        sync = contextlib.nullcontext() if last or engine else accelerator.no_sync(model)
         with sync, split:  # backward inside: gradient checkpointing recomputes the attention there
             with accelerator.autocast():  # (a model sharded by FSDP is not wrapped by accelerate.prepare)
                 loss = model(**micro).loss
             # DDP averages gradients over ranks; the normalisation above already is global (the ranks' losses
             # sum to the step's mean token loss).
-            accelerator.backward(loss * accelerator.num_processes)
+            if engine:
+                deepspeed.backward(engine, loss * accelerator.num_processes, boundary=last)
+            else:
+                accelerator.backward(loss * accelerator.num_processes)
         total += loss.detach().float()
     return accelerator.reduce(total, "sum").item(), int(tokens.item())
 
@@ -159,15 +164,20 @@ def train_step(model, group: list[dict], optimizer, scheduler, accelerator, args
     Raises TrainingDiverged before touching the weights."""
     loss, tokens = accumulate(model, group, accelerator, layout)
     if not math.isfinite(loss):
-        optimizer.zero_grad(set_to_none=True)
+        if not deepspeed.is_engine(model):
+            optimizer.zero_grad(set_to_none=True)
         raise TrainingDiverged(f"loss is {loss} at step {step}")
     grad_norm = None
-    if args.max_grad_norm > 0:
-        grad_norm = full_norm(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-    optimizer.step()
+    if deepspeed.is_engine(model):  # clips at --max_grad_norm (its config) and steps `optimizer`'s partitions
+        grad_norm = deepspeed.step(model, args)
+    else:
+        if args.max_grad_norm > 0:
+            grad_norm = full_norm(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+        optimizer.step()
     if not accelerator.optimizer_step_was_skipped:  # fp16 overflow: keep the schedule in step with updates
         scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    if not deepspeed.is_engine(model):  # the engine clears its own (offloaded gradients live in fixed buffers)
+        optimizer.zero_grad(set_to_none=True)
     return loss, tokens, grad_norm
 
 

@@ -191,14 +191,15 @@ def _quiet_checkpointing_renames():
         yield
 
 
-def build_model(args, config, device: torch.device):
-    """(peft model ready to train, BPT handle or None), in the order the recipe requires."""
+def build_model(args, config, device: torch.device, *, shardable: bool = False):
+    """(peft model ready to train, BPT handle or None), in the order the recipe requires. shardable (implied by
+    --fsdp): 4-bit data in a float storage, which FSDP2 and ZeRO-3 can split."""
     from peft import get_peft_model
 
     from patches.kbit import prepare_kbit_model
 
     model = load_base(args.model_name_or_path, config, bits=args.bits, device=device,
-                      trust_remote_code=args.trust_remote_code, shardable=args.fsdp)
+                      trust_remote_code=args.trust_remote_code, shardable=shardable or args.fsdp)
     model.config.use_cache = False  # no KV cache in training
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     with _quiet_checkpointing_renames():

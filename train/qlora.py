@@ -72,17 +72,20 @@ class Preflight:
     rope_factor: float | None
     resume_path: str | None
     evals: dict  # eval.json of the run being resumed ("before" is not measured again)
+    zero3: object = None  # train.deepspeed.Zero3 of a DeepSpeed launch with several processes, else None
 
 
 def preflight(args: Args) -> Preflight:
     """Every check that needs no weights, in the order a user would fix them. Raises UserError."""
     from train.data import check_source
+    from train.deepspeed import check_zero3, launcher_zero3
     from train.fsdp import check_fsdp, use_launcher_fsdp
     from train.model import check_bpt_support, check_packing, check_weight_files, load_config, load_tokenizer
     from train.parallel import check_layout
     from train.rope import apply_rope_scaling
 
     check_tracker(args.report_to)
+    zero3 = launcher_zero3()  # first: accelerate must not build its own DeepSpeed engine, whatever fails later
     if args.eval_tasks is not None:
         from train.tasks import check_task_names
 
@@ -102,6 +105,7 @@ def preflight(args: Args) -> Preflight:
     check_packing(config, args.packing)
     check_layout(args)
     use_launcher_fsdp(args)
+    zero3 = check_zero3(args, config, zero3)
     check_fsdp(args, config)
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
@@ -110,7 +114,7 @@ def preflight(args: Args) -> Preflight:
 
         check_task_lengths(tokenizer, eval_tasks(args), args.eval_lengths or [args.max_seq_len])
     evals = (run_dir.read_json(os.path.join(args.output_dir, run_dir.EVAL_FILE)) if resume_path else None) or {}
-    return Preflight(config, tokenizer, rope_factor, resume_path, evals)
+    return Preflight(config, tokenizer, rope_factor, resume_path, evals, zero3)
 
 
 def make_accelerator(args: Args):
@@ -231,10 +235,12 @@ def eval_tasks(args: Args) -> list[str]:
 def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict,
               step: int, layout) -> dict | None:
     """Accuracy of each --eval_tasks task on the main process (the others wait: greedy decoding needs no data
-    parallelism; under FSDP every rank decodes, as every forward gathers the shards; under sequence parallelism each
-    group decodes every prompt split as training splits its rows, train.split_eval), printed, logged to the tracker
-    at `step` (eval/<task>_accuracy, and _<length>) and written to eval.json under `when` ("before"/"after") beside
+    parallelism; under FSDP / ZeRO-3 every rank decodes, as every forward gathers the shards; under sequence
+    parallelism each group decodes every prompt split as training splits its rows, train.split_eval), printed, logged
+    to the tracker at `step` (eval/<task>_accuracy, and _<length>) and written to eval.json under `when` ("before"/"after") beside
     the earlier results in `evals`: {"tasks": {task: result}}, passkey's result also at the top level."""
+
+    from train.deepspeed import partitioned
 
     def report(tasks: dict) -> dict:
         logged = {}
@@ -262,7 +268,8 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
 
         split = SplitEval(layout.group, layout.mode)
         where = f"; each prompt split over {layout.sequence_parallel} processes ({layout.mode})"
-    if args.fsdp or split is not None:  # every rank takes part in the forwards; the main one reports
+    sharded = args.fsdp or partitioned(accelerator.unwrap_model(model))  # every forward gathers the shards
+    if sharded or split is not None:  # every rank takes part in the forwards; the main one reports
         tasks = evaluate()
         return on_main(accelerator, lambda: report(tasks)) or {**tasks.get("passkey", {}), "tasks": tasks}
     return on_main(accelerator, lambda: report(evaluate()))
@@ -274,6 +281,7 @@ def run(args: Args) -> RunResult:
     """The whole run; returns the trained model (for in-process use and tests)."""
     from accelerate.utils import set_seed
 
+    from train import deepspeed
     from train.fsdp import gathered_trainable_state, local_share, shard_model
     from train.model import build_model
 
@@ -296,26 +304,33 @@ def run(args: Args) -> RunResult:
         check_resume(plan.resume_path, args, accelerator.num_processes, steps)
 
     set_seed(args.seed)
-    model, _handle = build_model(args, plan.config, accelerator.device)
+    zero3 = plan.zero3
+    model, _handle = build_model(args, plan.config, accelerator.device, shardable=zero3 is not None)
     if plan.resume_path:  # before sharding / wrapping: every rank loads the whole adapter
         checkpoint.load_weights(plan.resume_path, model)
     if args.fsdp:
         shard_model(model, cpu_offload=args.fsdp_cpu_offload)  # the optimizer must see the shards
     optimizer = loop.make_optimizer(model, args)
     scheduler = loop.make_scheduler(optimizer, args, steps)
-    if args.fsdp:
+    if zero3:  # the engine partitions the model and steps the optimizer; the scheduler drives its param groups
+        model = deepspeed.initialize(model, optimizer, args, zero3, accelerator.num_processes)
+    elif args.fsdp:
         optimizer = accelerator.prepare(optimizer)
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
     if main_process:
-        print(f"trainable parameters: {sum(p.numel() for p in model.parameters() if p.requires_grad):,}; "
+        print(f"trainable parameters: {sum(deepspeed.numel(p) for p in model.parameters() if p.requires_grad):,}; "
               f"{len(dataset)} rows of {args.max_seq_len} tokens; {steps} steps on {accelerator.num_processes} "
               f"process(es)" + (f"; sequences split {layout.sequence_parallel} ways ({layout.mode})"
                                  if layout.sequence_parallel > 1 else "")
               + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else "")
               + (f"; FSDP2 over {accelerator.num_processes} process(es), the main one holding "
                  f"{100 * local_share(model):.1f}% of the weights"
-                 + (" in host memory" if args.fsdp_cpu_offload else "") if args.fsdp else ""),
+                 + (" in host memory" if args.fsdp_cpu_offload else "") if args.fsdp else "")
+              + (f"; DeepSpeed ZeRO-3 over {accelerator.num_processes} process(es), the main one holding "
+                 f"{100 * deepspeed.local_share(model):.1f}% of the weights"
+                 + (" in host memory" if zero3.offload_param else "")
+                 + (", its optimizer state in host memory" if zero3.offload_optimizer else "") if zero3 else ""),
               file=sys.stderr)
     start_step, position = start_position(accelerator, args, plan.resume_path, model, optimizer, scheduler, steps)
     if args.report_to != "none":
