@@ -237,9 +237,9 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
     """Accuracy of each --eval_tasks task on the main process (the others wait: greedy decoding needs no data
     parallelism; under FSDP / ZeRO-3 every rank decodes, as every forward gathers the shards; under sequence
     parallelism each group decodes every prompt split as training splits its rows, train.split_eval), printed, logged
-    to the tracker at `step` (eval/<task>_accuracy, and _<length>) and written to eval.json under `when` ("before"/"after") beside
-    the earlier results in `evals`: {"tasks": {task: result}}, passkey's result also at the top level."""
-
+    to the tracker at `step` (eval/<task>_accuracy, and _<length>) and written to eval.json under `when`
+    ("before"/"after") beside the earlier results in `evals`: {"tasks": {task: result}}, passkey's result also at
+    the top level."""
     from train.deepspeed import partitioned
 
     def report(tasks: dict) -> dict:

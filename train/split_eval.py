@@ -5,9 +5,10 @@ each holding its shard, so evaluating at the trained length takes no more memory
   to one process's to float rounding.
 - `split_greedy`: greedy decoding without a KV cache. Each new token is the argmax of the last position's logits from
   a split forward over the prompt and the tokens so far; the rank holding that position computes its logits alone
-  (`logits_to_keep`) and the group takes its token (a max over the ranks, the others offering -1). One split forward per new token: answers are a few
-  tokens, and a forward's memory is a training step's without the backward. A split KV cache would make each new
-  token cheaper but needs a cache sharded like the sequence; at a few tokens per answer the forwards cost little.
+  (`logits_to_keep`) and the group takes its token (a max over the ranks, the others offering -1). One split forward
+  per new token: answers are a few tokens, and a forward's memory is a training step's without the backward. A split
+  KV cache would make each new token cheaper but needs a cache sharded like the sequence; at a few tokens per answer
+  the forwards cost little.
 
 Every rank of the group calls each function with the same global inputs (the same prompts and documents).
 """
