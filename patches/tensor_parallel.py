@@ -220,7 +220,7 @@ def _slice_base(layer, style: str, rank: int, size: int):
     return bias
 
 
-def _slice_lora(module, style: str, rank: int, size: int) -> list[torch.nn.Parameter]:
+def _slice_lora(module, style: str, rank: int, size: int, group) -> list[torch.nn.Parameter]:
     """Slice a peft LoRA wrapper's factors (B by rows under colwise, A by columns under rowwise); returns the factors
     left whole, whose gradients are partial on each rank."""
     if any(getattr(module, "use_dora", {}).values()):
@@ -232,7 +232,7 @@ def _slice_lora(module, style: str, rank: int, size: int) -> list[torch.nn.Param
         dim = 0 if style == "colwise" else 1
         piece = cut.weight.data.chunk(size, dim=dim)[rank].contiguous()
         cut.weight = torch.nn.Parameter(piece, requires_grad=cut.weight.requires_grad)
-        cut.weight.tp_dim = dim
+        cut.weight.tp_dim, cut.weight.tp_group = dim, group
         cut.out_features, cut.in_features = piece.shape
         if cut.bias is not None or keep.bias is not None:
             raise ValueError("tensor parallelism does not support LoRA factors with a bias")
@@ -270,9 +270,9 @@ def tensor_parallel(model, group=None) -> TensorParallelHandle:
                              f"{base.in_features}, {style})")
         bias = _slice_base(base, style, rank, size)
         if base.weight.requires_grad:
-            base.weight.tp_dim = dim
+            base.weight.tp_dim, base.weight.tp_group = dim, group
         if isinstance(module, LoraLayer):
-            _slice_lora(module, style, rank, size)
+            _slice_lora(module, style, rank, size, group)
         if style == "colwise":
             handle.hooks.append(module.register_forward_pre_hook(
                 lambda m, args, g=group: (_CopyToGroup.apply(args[0], g), *args[1:])))
@@ -330,7 +330,7 @@ def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
     return norm
 
 
-def gather_param(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+def gather_param(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """The whole tensor from every rank's slice along `dim` (a collective)."""
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
@@ -338,12 +338,12 @@ def gather_param(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def gathered_state_dict(model, group=None, *, keep: bool = True) -> dict[str, torch.Tensor]:
-    """{name: whole tensor on CPU} of the trainable parameters (sliced ones gathered over `group`); every rank of
-    the group must call it; the ranks where `keep` is false get {}."""
+    """{name: whole tensor on CPU} of the trainable parameters (sliced ones gathered over `group`, by default the
+    group each was sliced over); every rank of the group must call it; the ranks where `keep` is false get {}."""
     state = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            whole = gather_param(p.detach(), p.tp_dim, group) if hasattr(p, "tp_dim") else p.detach()
+            whole = gather_param(p.detach(), p.tp_dim, group or p.tp_group) if hasattr(p, "tp_dim") else p.detach()
             if keep:
                 state[name] = whole.cpu()
     return state

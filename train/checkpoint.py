@@ -154,9 +154,24 @@ def gathered_states(model, optimizer, main: bool) -> tuple[dict, dict]:
     from train.fsdp import gathered_trainable_state
 
     weights = gathered_trainable_state(model, keep=main)
+    sliced = any(hasattr(p, "tp_dim") for p in model.parameters())  # patches.tensor_parallel: gathered below
     state = get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                                     options=StateDictOptions(full_state_dict=not sliced, cpu_offload=not sliced))
+    if sliced:  # every rank holds its own state (a full state dict keeps only rank 0's)
+        _gather_tensor_parallel_state(model, state)
     return weights, state
+
+
+def _gather_tensor_parallel_state(model, state: dict) -> None:
+    """The optimizer state of parameters sliced by patches.tensor_parallel (exp_avg, ...: their shape), whole."""
+    from patches.tensor_parallel import gather_param
+
+    for name, param in model.named_parameters():
+        if hasattr(param, "tp_dim"):
+            entry = state["state"][name]
+            for key in sorted(entry):
+                if torch.is_tensor(entry[key]) and entry[key].shape == param.shape:
+                    entry[key] = gather_param(entry[key], param.tp_dim, param.tp_group).cpu()
 
 
 def save(output_dir: str, step: int, *, model, weights: dict, optimizer_state: dict, scheduler, rng_states: list,

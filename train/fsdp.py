@@ -118,13 +118,17 @@ def local_share(model) -> float:
 
 def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
     """{name: full tensor on CPU} of the trainable parameters, on the ranks where `keep` (others get {}). Every rank
-    must call it: gathering a shard is a collective."""
+    must call it: gathering a shard (FSDP) or a slice (patches.tensor_parallel) is a collective."""
     from torch.distributed.tensor import DTensor
+
+    from patches.tensor_parallel import gather_param
 
     state = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
             full = param.full_tensor() if isinstance(param, DTensor) else param
+            if hasattr(param, "tp_dim"):
+                full = gather_param(param.detach(), param.tp_dim, param.tp_group)
             if keep:
                 state[name] = full.detach().cpu()
     return state

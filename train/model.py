@@ -191,8 +191,10 @@ def _quiet_checkpointing_renames():
         yield
 
 
-def build_model(args, config, device: torch.device):
-    """(peft model ready to train, BPT handle or None), in the order the recipe requires."""
+def build_model(args, config, device: torch.device, tp_group=None):
+    """(peft model ready to train, BPT handle or None), in the order the recipe requires. With `tp_group` the
+    layers are sliced over that tensor-parallel group once LoRA is on (patches.tensor_parallel): the factors are
+    drawn whole, as one process draws them, and sliced."""
     from peft import get_peft_model
 
     from patches.kbit import prepare_kbit_model
@@ -211,6 +213,14 @@ def build_model(args, config, device: torch.device):
             model = get_peft_model(model, lora_config(model, args))
         except ValueError as error:
             raise UserError(f"cannot apply LoRA with --lora_target_modules {' '.join(args.lora_target_modules)}: "
+                            f"{one_line(error)}") from None
+    if tp_group is not None:
+        from patches.tensor_parallel import tensor_parallel
+
+        try:
+            tensor_parallel(model, tp_group)
+        except ValueError as error:
+            raise UserError(f"cannot split the model over --tensor_parallel {args.tensor_parallel}: "
                             f"{one_line(error)}") from None
     return model, patch(model, args)
 

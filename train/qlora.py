@@ -79,7 +79,7 @@ def preflight(args: Args) -> Preflight:
     from train.data import check_source
     from train.fsdp import check_fsdp, use_launcher_fsdp
     from train.model import check_bpt_support, check_packing, check_weight_files, load_config, load_tokenizer
-    from train.parallel import check_layout
+    from train.parallel import check_layout, check_tensor_parallel_model
     from train.rope import apply_rope_scaling
 
     check_tracker(args.report_to)
@@ -96,9 +96,10 @@ def preflight(args: Args) -> Preflight:
     if args.bpt:
         check_bpt_support(config)
     check_packing(config, args.packing)
+    use_launcher_fsdp(args)  # first: a launcher's FSDP config turns --fsdp on, which check_layout reads
     check_layout(args)
-    use_launcher_fsdp(args)
     check_fsdp(args, config)
+    check_tensor_parallel_model(args, config)
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     if args.eval_passkey:  # found now, not after training
@@ -236,7 +237,7 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
         return passkey_accuracy(accelerator.unwrap_model(model), tokenizer, lengths=args.eval_lengths or
                                 [args.max_seq_len], depths=args.eval_depths, trials=args.eval_trials, seed=EVAL_SEED)
 
-    if args.fsdp:  # every rank takes part in the forwards; the main one reports
+    if args.fsdp or args.tensor_parallel > 1:  # every rank takes part in the forwards; the main one reports
         result = evaluate()
         on_main(accelerator, lambda: report(result))
         return result
@@ -271,14 +272,14 @@ def run(args: Args) -> RunResult:
         check_resume(plan.resume_path, args, accelerator.num_processes, steps)
 
     set_seed(args.seed)
-    model, _handle = build_model(args, plan.config, accelerator.device)
+    model, _handle = build_model(args, plan.config, accelerator.device, tp_group=layout.tp_group)
     if plan.resume_path:  # before sharding / wrapping: every rank loads the whole adapter
         checkpoint.load_weights(plan.resume_path, model)
     if args.fsdp:
         shard_model(model, cpu_offload=args.fsdp_cpu_offload)  # the optimizer must see the shards
     optimizer = loop.make_optimizer(model, args)
     scheduler = loop.make_scheduler(optimizer, args, steps)
-    if args.fsdp:
+    if args.fsdp or layout.tensor_parallel > 1:  # no DDP: it would average different slices (TP)
         optimizer = accelerator.prepare(optimizer)
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -287,6 +288,7 @@ def run(args: Args) -> RunResult:
               f"{len(dataset)} rows of {args.max_seq_len} tokens; {steps} steps on {accelerator.num_processes} "
               f"process(es)" + (f"; sequences split {layout.sequence_parallel} ways ({layout.mode})"
                                  if layout.sequence_parallel > 1 else "")
+              + (f"; layers split {layout.tensor_parallel} ways (tensor parallel)" if layout.tensor_parallel > 1 else "")
               + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else "")
               + (f"; FSDP2 over {accelerator.num_processes} process(es), the main one holding "
                  f"{100 * local_share(model):.1f}% of the weights"
