@@ -107,3 +107,15 @@ def test_a_model_that_cannot_split_is_refused_before_loading(tiny, tmp_path):
     assert errors == [  # once, by the main process
         "error: --tensor_parallel 2 would cut the 4-bit quantisation blocks (64 weights) of model.layers.0.self_attn."
         "o_proj (weight 64x64, rowwise); use fewer tensor-parallel ranks or --bits 16"], done.stderr[-2000:]
+
+
+def test_four_processes_as_two_tensor_parallel_groups_match_one_process(tiny, wide, tmp_path):
+    """TP 2 x DP 2: groups (0, 1) and (2, 3) each take one row per step and split every layer; ranks 0 and 2 (1 and
+    3) hold the same slices and sum their gradients. Together: one process with a batch of two."""
+    one = tmp_path / "one"
+    run(parse_args(_argv(tiny, wide, one)))
+    four = tmp_path / "four"
+    done = _launch(_argv(tiny, wide, four, "--per_device_train_batch_size", 1, "--tensor_parallel", 2), 4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "on 4 process(es); layers split 2 ways (tensor parallel)" in done.stderr
+    _same_run(one, four)
