@@ -119,3 +119,20 @@ def test_four_processes_as_two_tensor_parallel_groups_match_one_process(tiny, wi
     assert done.returncode == 0, done.stderr[-3000:]
     assert "on 4 process(es); layers split 2 ways (tensor parallel)" in done.stderr
     _same_run(one, four)
+
+
+def test_passkey_evaluation_under_tensor_parallel_matches_one_process(tiny, wide, tmp_path):
+    """Every rank of the group decodes together (each forward needs the whole group); the main one reports. The
+    tiny model finds no pass key either way (accuracy 0): this checks the mechanics (no rank left waiting, one
+    report); test_tensor_parallel_model checks the decoded tokens."""
+    import json
+
+    extra = ("--rope_scaling", "linear", "--rope_factor", 2, "--eval_passkey", "--eval_trials", 1,
+             "--eval_lengths", 140, "--max_steps", 1)  # 256 positions: room for a passkey prompt
+    one = tmp_path / "one"
+    run(parse_args(_argv(tiny, wide, one, *extra)))
+    two = tmp_path / "two"
+    done = _launch(_argv(tiny, wide, two, *extra, "--tensor_parallel", 2), 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("passkey accuracy") == 2  # before and after, printed once each
+    assert json.loads((two / "eval.json").read_text()) == json.loads((one / "eval.json").read_text())

@@ -1,5 +1,6 @@
 """patches.tensor_parallel on a tiny GQA llama (4 query / 2 KV heads) split over 2 real gloo processes vs one process:
-loss, every LoRA gradient (gathered to full shape), the clipped norm and the gathered adapter, at 16 and 4 bits (the
+loss, every LoRA gradient (gathered to full shape), the clipped norm, the gathered adapter and greedy decoding (KV
+cache), at 16 and 4 bits (the
 4-bit base loaded by transformers with double quantisation, as train.model loads it), with and without the blockwise
 patch. Plus the refusals, which need no processes."""
 from __future__ import annotations
@@ -92,7 +93,10 @@ def _on_rank(path, rank, world):
         norm = clip_grad_norm_(model.parameters(), 1e-3)
         clipped = {n: gather_param(p.grad, p.tp_dim, None) if hasattr(p, "tp_dim") else p.grad.clone()
                    for n, p in model.named_parameters() if p.requires_grad}
-        out[case] = {"loss": loss.item(), "grads": grads, "norm": float(norm), "clipped": clipped, "state": state,
+        model.eval()
+        with torch.no_grad():  # greedy decoding with the KV cache: each rank caches its own heads
+            decoded = model.generate(input_ids=_batch()["input_ids"][:, :9], max_new_tokens=6, do_sample=False)
+        out[case] = {"decoded": decoded, "loss": loss.item(), "grads": grads, "norm": float(norm), "clipped": clipped, "state": state,
                      "weights": _weights(model), "sliced": len(handle.modules)}
     return out
 
@@ -123,9 +127,13 @@ def test_two_ranks_match_one_process(results, case):
     ref_clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     assert len(ref) == 2 * 7 * 2  # 2 layers x 7 targets x (A, B)
     weights = _weights(model)
+    model.eval()
+    with torch.no_grad():
+        decoded = model.generate(input_ids=_batch()["input_ids"][:, :9], max_new_tokens=6, do_sample=False)
     for rank, got in enumerate(per_rank):
         got = got[case]
         assert got["sliced"] == 14
+        assert torch.equal(got["decoded"], decoded)
         # this rank's heads (rows 64r..64r+63 of q: 2 of the 4 heads) and the matching columns of o, bit for bit
         assert torch.equal(got["weights"]["q_proj"], weights["q_proj"][64 * rank:64 * (rank + 1)])
         assert torch.equal(got["weights"]["o_proj"], weights["o_proj"][:, 64 * rank:64 * (rank + 1)])
