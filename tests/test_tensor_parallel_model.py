@@ -15,7 +15,8 @@ from gloo_processes import run_on_ranks
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-CASES = {"bits16": (16, False), "bits16_bpt": (16, True), "bits4": (4, False), "bits4_bpt": (4, True)}
+CASES = {"bits16": (16, False), "bits16_bpt": (16, True), "bits4": (4, False), "bits4_bpt": (4, True),
+         "bits16_bias": (16, False)}  # a llama with biases on every linear: sliced (colwise), added once (rowwise)
 # Of each gradient's largest magnitude. The 16-bit cases run in float64, where only the summation order differs; the
 # 4-bit ones compute in float32 (bitsandbytes dequantises to at most float32), where the same reordering of the
 # row-parallel sums measures ~2.4e-6; their sliced weights are checked bit for bit instead.
@@ -31,7 +32,7 @@ def _config(**overrides):
     return LlamaConfig(**{**kw, **overrides})
 
 
-def _model(path: str, bits: int, bpt: bool):
+def _model(path: str, bits: int, bpt: bool, case: str = ""):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -40,7 +41,7 @@ def _model(path: str, bits: int, bpt: bool):
     kwargs = {"dtype": torch.float64 if bits == 16 else torch.float32}
     if bits == 4:
         kwargs["quantization_config"] = quantization_config(4, torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path + ("_bias" if case.endswith("bias") else ""), **kwargs)
     keep_4bit_layout(model)
     torch.manual_seed(1)  # init_lora_weights=False: B is random too, so every factor gets a gradient
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
@@ -80,7 +81,7 @@ def _on_rank(path, rank, world):
 
     out = {}
     for case, (bits, bpt) in CASES.items():
-        model = _model(path, bits, bpt)
+        model = _model(path, bits, bpt, case)
         handle = tensor_parallel(model, dist.group.WORLD)
         if bpt:
             _patch(model)
@@ -108,6 +109,13 @@ def results(tmp_path_factory):
     path = tmp_path_factory.mktemp("tp_llama")
     torch.manual_seed(0)
     LlamaForCausalLM(_config()).save_pretrained(path)
+    torch.manual_seed(0)
+    with_bias = LlamaForCausalLM(_config(attention_bias=True, mlp_bias=True))
+    with torch.no_grad():  # transformers initialises biases to 0: make them count
+        for name, param in with_bias.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.1)
+    with_bias.save_pretrained(str(path) + "_bias")
     per_rank = run_on_ranks(functools.partial(_on_rank, str(path)), 2, str(tmp_path_factory.mktemp("tp_ranks")))
     return str(path), per_rank
 
@@ -116,7 +124,7 @@ def results(tmp_path_factory):
 def test_two_ranks_match_one_process(results, case):
     path, per_rank = results
     bits, bpt = CASES[case]
-    model = _model(path, bits, bpt)
+    model = _model(path, bits, bpt, case)
     if bpt:
         _patch(model)
     ref_state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
