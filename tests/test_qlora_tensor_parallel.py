@@ -136,3 +136,20 @@ def test_passkey_evaluation_under_tensor_parallel_matches_one_process(tiny, wide
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("passkey accuracy") == 2  # before and after, printed once each
     assert json.loads((two / "eval.json").read_text()) == json.loads((one / "eval.json").read_text())
+
+
+def test_a_tensor_parallel_run_resumes_from_its_checkpoint(tiny, wide, tmp_path):
+    """Checkpoints hold the whole adapter and optimizer state (gathered); a resumed TP run loads them whole and slices
+    them again: its steps equal the uninterrupted run's."""
+    first = tmp_path / "first"
+    extra = ("--bits", 4, "--tensor_parallel", 2, "--max_steps", 3, "--save_steps", 1)
+    done = _launch(_argv(tiny, wide, first, *extra), 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = tmp_path / "again"
+    resumed = _launch([*_argv(tiny, wide, again, *extra), "--resume_from_checkpoint", str(first / "checkpoint-1")], 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "checkpoint-1 at step 1" in resumed.stderr
+    assert [m["step"] for m in metrics(again)] == [2, 3]
+    assert losses(again) == pytest.approx(losses(first)[1:], rel=1e-6)
+    a, b = _adapter(first), _adapter(again)
+    assert all(torch.allclose(b[name], a[name], rtol=0, atol=1e-6) for name in a)

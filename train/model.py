@@ -191,10 +191,11 @@ def _quiet_checkpointing_renames():
         yield
 
 
-def build_model(args, config, device: torch.device, tp_group=None):
-    """(peft model ready to train, BPT handle or None), in the order the recipe requires. With `tp_group` the
-    layers are sliced over that tensor-parallel group once LoRA is on (patches.tensor_parallel): the factors are
-    drawn whole, as one process draws them, and sliced."""
+def build_model(args, config, device: torch.device, tp_group=None, weights_from: str | None = None):
+    """(peft model ready to train, BPT handle or None), in the order the recipe requires. `weights_from`: a
+    checkpoint whose (whole) adapter replaces the fresh one. With `tp_group` the layers are sliced over that
+    tensor-parallel group once LoRA is on (patches.tensor_parallel): the factors are drawn (or loaded) whole, as one
+    process has them, and sliced."""
     from peft import get_peft_model
 
     from patches.kbit import prepare_kbit_model
@@ -214,6 +215,10 @@ def build_model(args, config, device: torch.device, tp_group=None):
         except ValueError as error:
             raise UserError(f"cannot apply LoRA with --lora_target_modules {' '.join(args.lora_target_modules)}: "
                             f"{one_line(error)}") from None
+    if weights_from:
+        from train.checkpoint import load_weights
+
+        load_weights(weights_from, model)
     if tp_group is not None:
         from patches.tensor_parallel import tensor_parallel
 

@@ -65,8 +65,7 @@ def check_tensor_parallel_layout(args, world: int) -> None:
     n = args.tensor_parallel
     if n == 1:
         return
-    for flag, on in (("--sequence_parallel", args.sequence_parallel > 1), ("--fsdp", args.fsdp),
-                     ("--resume_from_checkpoint", bool(args.resume_from_checkpoint))):
+    for flag, on in (("--sequence_parallel", args.sequence_parallel > 1), ("--fsdp", args.fsdp)):
         if on:
             raise UserError(f"--tensor_parallel does not compose with {flag} yet; drop one of them")
     if args.bits == 8:

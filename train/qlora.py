@@ -272,9 +272,9 @@ def run(args: Args) -> RunResult:
         check_resume(plan.resume_path, args, accelerator.num_processes, steps)
 
     set_seed(args.seed)
-    model, _handle = build_model(args, plan.config, accelerator.device, tp_group=layout.tp_group)
-    if plan.resume_path:  # before sharding / wrapping: every rank loads the whole adapter
-        checkpoint.load_weights(plan.resume_path, model)
+    # Resuming: every rank loads the whole adapter, before slicing (TP), sharding (FSDP) or wrapping (DDP).
+    model, _handle = build_model(args, plan.config, accelerator.device, tp_group=layout.tp_group,
+                                 weights_from=plan.resume_path)
     if args.fsdp:
         shard_model(model, cpu_offload=args.fsdp_cpu_offload)  # the optimizer must see the shards
     optimizer = loop.make_optimizer(model, args)
