@@ -194,7 +194,8 @@ def _slice_4bit(layer, style: str, rank: int, size: int) -> None:
     layer.weight = bnb.nn.Params4bit(packed.contiguous().reshape(-1, 1), requires_grad=False, quant_state=local,
                                      blocksize=block, compress_statistics=False, quant_type=state.quant_type,
                                      quant_storage=weight.data.dtype, module=layer, bnb_quantized=True)
-    layer.quant_state = local if hasattr(layer, "quant_state") else None
+    if hasattr(layer, "quant_state"):  # some bitsandbytes versions keep a copy on the module
+        layer.quant_state = local
     layer.out_features, layer.in_features = shape
 
 
