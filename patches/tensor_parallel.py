@@ -13,6 +13,7 @@ Which module is column- or row-parallel is data: the config's `base_model_tp_pla
 features, so whole heads / MLP channels) and sees the whole input, copied to it by `_CopyToGroup` (identity forward,
 all-reduce of the input gradient backward). A row-parallel layer keeps the matching input columns; its partial outputs
 are summed by `_ReduceFromGroup` (all-reduce forward, identity backward), and a bias is added once, after the sum.
+"replicated_with_grad_allreduce" modules (per-head norms) stay whole; their gradients are summed over the group.
 
 LoRA (peft) on a sliced layer: under a column-parallel base lora_B is sliced by rows and lora_A is whole on every rank;
 under a row-parallel base lora_A is sliced by columns and lora_B is whole. The whole factor's gradient on each rank is
@@ -34,6 +35,9 @@ import torch
 import torch.distributed as dist
 
 STYLES = ("colwise", "rowwise")
+# Modules left whole on every rank whose weight gradient is a per-rank share (Qwen3's q_norm / k_norm, applied to
+# each rank's own heads): summed over the group like the whole LoRA factors.
+REPLICATED = ("replicated_with_grad_allreduce",)
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 
 
@@ -99,7 +103,7 @@ def tp_plan(config) -> dict[str, str]:
     if not plan:
         raise ValueError(f"{name} models have no tensor-parallel plan (config.base_model_tp_plan): tensor "
                          "parallelism cannot tell their column- from their row-parallel layers")
-    other = sorted({style for style in plan.values() if style not in STYLES})
+    other = sorted({style for style in plan.values() if style not in STYLES + REPLICATED})
     if other:
         raise ValueError(f"{name}'s tensor-parallel plan uses {', '.join(other)} (fused projections or experts); "
                          f"only plain colwise / rowwise layers are supported")
@@ -143,6 +147,8 @@ def check_tensor_parallel(config, size: int, *, bits: int = 16) -> None:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     for module_name, module, style in plan_modules(skeleton, plan):
+        if style in REPLICATED:
+            continue
         out_features, in_features = module.weight.shape
         if (out_features if style == "colwise" else in_features) % size:
             raise ValueError(f"--tensor_parallel {size} must divide {module_name}'s "
@@ -264,6 +270,10 @@ def tensor_parallel(model, group=None) -> TensorParallelHandle:
     modules = plan_modules(model, tp_plan(config))
     attention = set()
     for name, module, style in modules:
+        if style in REPLICATED:
+            for param in module.parameters():
+                param.tp_partial = True
+            continue
         base = _base(module)
         dim = 0 if style == "colwise" else 1
         if (base.out_features if dim == 0 else base.in_features) % size:

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CASES = {"bits16": (16, False), "bits16_bpt": (16, True), "bits4": (4, False), "bits4_bpt": (4, True),
-         "bits16_bias": (16, False)}  # a llama with biases on every linear: sliced (colwise), added once (rowwise)
+         "bits16_bias": (16, False),  # a llama with biases on every linear: sliced (colwise), added once (rowwise)
+         "bits16_qwen3": (16, False), "bits4_qwen3": (4, True)}  # per-head q/k norms, whole, trained here
 # Of each gradient's largest magnitude. The 16-bit cases run in float64, where only the summation order differs; the
 # 4-bit ones compute in float32 (bitsandbytes dequantises to at most float32), where the same reordering of the
 # row-parallel sums measures ~2.4e-6; their sliced weights are checked bit for bit instead.
@@ -24,12 +25,15 @@ GRAD_TOL = {16: 1e-10, 4: 1e-5}
 LOSS_TOL = {16: 1e-12, 4: 1e-6}
 
 
+def _config_kwargs() -> dict:
+    return dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+
+
 def _config(**overrides):
     from transformers import LlamaConfig
 
-    kw = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
-    return LlamaConfig(**{**kw, **overrides})
+    return LlamaConfig(**{**_config_kwargs(), **overrides})
 
 
 def _model(path: str, bits: int, bpt: bool, case: str = ""):
@@ -41,11 +45,15 @@ def _model(path: str, bits: int, bpt: bool, case: str = ""):
     kwargs = {"dtype": torch.float64 if bits == 16 else torch.float32}
     if bits == 4:
         kwargs["quantization_config"] = quantization_config(4, torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path + ("_bias" if case.endswith("bias") else ""), **kwargs)
+    variant = case.rsplit("_", 1)[-1] if case.endswith(("_bias", "_qwen3")) else ""
+    model = AutoModelForCausalLM.from_pretrained(path + (f"_{variant}" if variant else ""), **kwargs)
     keep_4bit_layout(model)
     torch.manual_seed(1)  # init_lora_weights=False: B is random too, so every factor gets a gradient
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
                                              init_lora_weights=False))
+    for name, param in model.named_parameters():  # Qwen3's per-head norms: whole on every rank, partial gradients
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            param.requires_grad_(True)
     return model
 
 
@@ -116,6 +124,15 @@ def results(tmp_path_factory):
             if name.endswith(".bias"):
                 param.normal_(std=0.1)
     with_bias.save_pretrained(str(path) + "_bias")
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(**_config_kwargs(), head_dim=32))
+    with torch.no_grad():  # norms start at 1: make them differ per channel
+        for name, param in qwen3.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1.0, 0.1)
+    qwen3.save_pretrained(str(path) + "_qwen3")
     per_rank = run_on_ranks(functools.partial(_on_rank, str(path)), 2, str(tmp_path_factory.mktemp("tp_ranks")))
     return str(path), per_rank
 
@@ -133,7 +150,7 @@ def test_two_ranks_match_one_process(results, case):
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     ref_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1e-3))
     ref_clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    assert len(ref) == 2 * 7 * 2  # 2 layers x 7 targets x (A, B)
+    assert len(ref) == 2 * 7 * 2 + (4 if "qwen3" in case else 0)  # 2 layers x 7 targets x (A, B) (+ q/k norms)
     weights = _weights(model)
     model.eval()
     with torch.no_grad():
