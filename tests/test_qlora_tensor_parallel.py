@@ -91,6 +91,11 @@ def test_two_processes_split_every_layer_and_match_one_process(tiny, wide, tmp_p
     (("--tensor_parallel", 2, "--sequence_parallel", 2),
      "error: --tensor_parallel does not compose with --sequence_parallel yet; drop one of them"),
     (("--tensor_parallel", 0), "error: --tensor_parallel must be a positive integer, got 0"),
+    (("--tensor_parallel", 2, "--bits", 8),
+     "error: --tensor_parallel slices 16-bit and 4-bit bases, not 8-bit ones: use --bits 4 or 16"),
+    (("--tensor_parallel", 2, "--plan", "h100-80gb"),
+     "error: --plan does not model --tensor_parallel; plan without it for one device holding every layer whole (an "
+     "upper bound)"),
 ])
 def test_a_layout_that_cannot_split_is_refused_before_loading(tiny, tmp_path, capsys, extra, message):
     assert main(base_argv(tiny, tmp_path / "run", *extra)) == 2
