@@ -13,8 +13,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZ
        "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def save_tiny_llama(directory: Path) -> None:
-    """A tiny llama (128 positions) with the char-level tokenizer of train.pretrain_tiny, saved to `directory`."""
+def save_tiny_llama(directory: Path, **overrides) -> None:
+    """A tiny llama (128 positions) with the char-level tokenizer of train.pretrain_tiny, saved to `directory`;
+    `overrides` replace config fields (hidden_size, ...)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -25,6 +26,8 @@ def save_tiny_llama(directory: Path) -> None:
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)

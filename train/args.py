@@ -133,6 +133,11 @@ class TrainArguments:
         1, "Split every sequence over N processes (of those accelerate launch starts; data parallel over the "
         "groups). Needs the patch; the number of processes must be a multiple of N. Losses equal a one-process run's "
         "only with --lora_dropout 0: each process draws its own dropout masks for its shard.")
+    tensor_parallel: int = _opt(
+        1, "Split every q/k/v/o and MLP layer (heads, MLP channels) over N processes, Megatron style (of those "
+        "accelerate launch starts; data parallel over the groups; the number of processes must be a multiple of N). "
+        "Families with a plain colwise / rowwise tp plan in transformers; at --bits 4 each slice must hold whole "
+        "64-weight quantisation blocks. Not with --sequence_parallel or --fsdp yet.")
     sp_mode: str = _opt("ring", "Sequence-parallel attention: ring (any head count; not ALiBi-bias families or "
                         "attention sinks) or ulysses (query heads must divide by N).", choices=("ring", "ulysses"))
     fsdp: bool = _opt(False, "Shard the (4-bit) base and LoRA over every process with FSDP2 (torch fully_shard), so "
@@ -372,7 +377,8 @@ def validate(args: Args) -> None:
     """Value checks argparse cannot express; raises UserError naming the flag."""
     args.lora_target_modules = _split_commas(args.lora_target_modules)
     positive = ["max_seq_len", "per_device_train_batch_size", "gradient_accumulation_steps", "lora_r",
-                "logging_steps", "passkey_samples", "eval_trials", "sequence_parallel"]
+                "logging_steps", "passkey_samples", "eval_trials", "sequence_parallel",
+                "tensor_parallel"]
     for name in positive:
         if getattr(args, name) <= 0:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")

@@ -32,7 +32,8 @@ STATE_FILE = "trainer_state.json"
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt",
                   "rng_state.pt", STATE_FILE)
 # Args that decide which rows each step sees: resuming with different values would not continue the run.
-DATA_ORDER_ARGS = ("seed", "per_device_train_batch_size", "dataset", "max_seq_len", "packing", "sequence_parallel")
+DATA_ORDER_ARGS = ("seed", "per_device_train_batch_size", "dataset", "max_seq_len", "packing", "sequence_parallel",
+                   "tensor_parallel")
 # Args that shape the learning-rate schedule besides its length.
 SCHEDULE_ARGS = ("lr_scheduler_type", "warmup_steps", "learning_rate")
 
@@ -157,9 +158,31 @@ def gathered_states(model, optimizer, main: bool) -> tuple[dict, dict]:
     weights = gathered_trainable_state(model, keep=main)
     if partitioned(model):  # DeepSpeed ZeRO-3: gathered from its flat partitions into the same format
         return weights, gathered_optimizer_state(model, main)
+    sliced = any(hasattr(p, "tp_dim") for p in model.parameters())  # patches.tensor_parallel: gathered below
     state = get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                                     options=StateDictOptions(full_state_dict=not sliced, cpu_offload=not sliced))
+    if sliced:  # every rank holds its own state (a full state dict keeps only rank 0's)
+        state = _gather_tensor_parallel_state(model, state)
     return weights, state
+
+
+def _gather_tensor_parallel_state(model, state: dict) -> dict:
+    """A copy of `state` with the optimizer state of parameters sliced by patches.tensor_parallel (exp_avg, ...:
+    their shape) whole. A copy: the dicts inside `state` are the optimizer's own."""
+    from patches.tensor_parallel import gather_param
+
+    state = {**state, "state": {name: dict(entry) for name, entry in state["state"].items()}}
+    for name, param in model.named_parameters():
+        if hasattr(param, "tp_dim"):
+            entry = state["state"][name]
+            for key in sorted(entry):
+                if torch.is_tensor(entry[key]) and entry[key].shape == param.shape:
+                    entry[key] = gather_param(entry[key], param.tp_dim, param.tp_group)
+    for entry in state["state"].values():  # on the host, as the full state dict's cpu_offload gives it
+        for key in entry:
+            if torch.is_tensor(entry[key]):
+                entry[key] = entry[key].cpu()
+    return state
 
 
 def save(output_dir: str, step: int, *, model, weights: dict, optimizer_state: dict, scheduler, rng_states: list,
@@ -186,6 +209,22 @@ def _resume_error(path: str, error: Exception) -> UserError:
                      "other model/LoRA settings")
 
 
+def _slice_tensor_parallel_state(model, state: dict) -> None:
+    """The whole optimizer state of a checkpoint -> this rank's slices for the parameters patches.tensor_parallel
+    sliced (the inverse of _gather_tensor_parallel_state)."""
+    import torch.distributed as dist
+
+    for name, param in model.named_parameters():
+        if hasattr(param, "tp_dim"):
+            size, rank = dist.get_world_size(param.tp_group), dist.get_rank(param.tp_group)
+            whole = list(param.shape)
+            whole[param.tp_dim] *= size
+            entry = state["state"][name]
+            for key in entry:
+                if torch.is_tensor(entry[key]) and list(entry[key].shape) == whole:
+                    entry[key] = entry[key].chunk(size, dim=param.tp_dim)[rank].contiguous()
+
+
 def load_weights(path: str, model) -> None:
     """The trainable weights of checkpoint `path` into `model`, before it is sharded or wrapped (every rank)."""
     from peft import set_peft_model_state_dict
@@ -209,13 +248,16 @@ def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
     from train.deepspeed import load_optimizer_state, partitioned
 
     state = read_state(path)
+    sliced = any(hasattr(p, "tp_dim") for p in model.parameters())
     try:
         saved = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False)
         if partitioned(model):  # into DeepSpeed ZeRO-3's flat partitions
             load_optimizer_state(model, saved)
         else:
+            if sliced:  # patches.tensor_parallel: this rank's slices of the whole state
+                _slice_tensor_parallel_state(model, saved)
             set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), saved,
-                                     options=StateDictOptions(full_state_dict=True))
+                                     options=StateDictOptions(full_state_dict=not sliced))
         if scheduler is not None:
             scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
         rng_states = torch.load(os.path.join(path, "rng_state.pt"), weights_only=False)

@@ -128,8 +128,11 @@ def local_share(model) -> float:
 
 def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
     """{name: full tensor on CPU} of the trainable parameters, on the ranks where `keep` (others get {}). Every rank
-    must call it: gathering a shard is a collective. FSDP2 shards (DTensor) and ZeRO-3 partitions alike."""
+    must call it: gathering a shard is a collective. FSDP2 shards (DTensor), ZeRO-3 partitions and tensor-parallel
+    slices (patches.tensor_parallel) alike."""
     from torch.distributed.tensor import DTensor
+
+    from patches.tensor_parallel import gather_param
 
     state = {}
     for name, param in model.named_parameters():
@@ -139,6 +142,8 @@ def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
 
                 with GatheredParameters([param]):
                     full = param.data.detach().cpu().clone()
+            elif hasattr(param, "tp_dim"):
+                full = gather_param(param.detach(), param.tp_dim, param.tp_group)
             else:
                 full = param.full_tensor() if isinstance(param, DTensor) else param
             if keep:

@@ -126,12 +126,13 @@ def accumulate(model, group: list[dict], accelerator, layout: Layout) -> tuple[f
     Each micro-batch loss is its summed token loss / the step's target count over all ranks
     (num_items_in_batch), so the accumulated gradient is that of the step's mean token loss, whatever
     the padding or micro-batch sizes. Under sequence parallelism every rank of a group holds the same rows
-    (counted once) and computes the token losses of its shard of them.
+    (counted once) and computes the token losses of its shard of them; under tensor parallelism every rank of a
+    group computes the whole loss of the same rows with its slice of every layer.
     """
     from patches import sequence_parallel_attention, shard_batch
 
-    device = accelerator.device
-    copies = layout.sequence_parallel  # ranks holding each row
+    device, tensor_parallel = accelerator.device, layout.tensor_parallel
+    copies = layout.copies  # ranks holding each row
     n_items = (accelerator.reduce(sum(_targets(b) for b in group).to(device), "sum") // copies).clamp(min=1)
     tokens = accelerator.reduce(sum(_tokens(b) for b in group).to(device), "sum") // copies
     total = torch.zeros((), device=device)
@@ -139,7 +140,7 @@ def accumulate(model, group: list[dict], accelerator, layout: Layout) -> tuple[f
     for i, micro in enumerate(group):
         micro = {k: v.to(device) for k, v in micro.items()}
         split = contextlib.nullcontext()
-        if copies > 1:  # this rank's shard of every sequence; the attention runs over the group
+        if layout.sequence_parallel > 1:  # this rank's shard of every sequence; the attention runs over the group
             micro, context = shard_batch(micro, layout.group, layout.mode)
             split = sequence_parallel_attention(accelerator.unwrap_model(model), context)
         micro["num_items_in_batch"] = n_items
@@ -150,13 +151,18 @@ def accumulate(model, group: list[dict], accelerator, layout: Layout) -> tuple[f
             with accelerator.autocast():  # (a model sharded by FSDP is not wrapped by accelerate.prepare)
                 loss = model(**micro).loss
             # DDP averages gradients over ranks; the normalisation above already is global (the ranks' losses
-            # sum to the step's mean token loss).
+            # sum to the step's mean token loss). Under TP there is no DDP: the gradients are summed below.
             if engine:
                 deepspeed.backward(engine, loss * accelerator.num_processes, boundary=last)
             else:
-                accelerator.backward(loss * accelerator.num_processes)
+                accelerator.backward(loss * (accelerator.num_processes if tensor_parallel == 1 else 1))
         total += loss.detach().float()
-    return accelerator.reduce(total, "sum").item(), int(tokens.item())
+    if tensor_parallel > 1:
+        from patches.tensor_parallel import reduce_tensor_parallel_gradients
+
+        reduce_tensor_parallel_gradients(model, layout.tp_group, layout.tp_data_group)
+    # Every rank of a TP group computed the same (whole) loss of its rows: count it once.
+    return accelerator.reduce(total, "sum").item() / tensor_parallel, int(tokens.item())
 
 
 def train_step(model, group: list[dict], optimizer, scheduler, accelerator, args: Args, step: int, layout: Layout):
@@ -171,7 +177,11 @@ def train_step(model, group: list[dict], optimizer, scheduler, accelerator, args
     if deepspeed.is_engine(model):  # clips at --max_grad_norm (its config) and steps `optimizer`'s partitions
         grad_norm = deepspeed.step(model, args)
     else:
-        if args.max_grad_norm > 0:
+        if args.max_grad_norm > 0 and layout.tensor_parallel > 1:  # the sliced parameters' squares summed over TP
+            from patches.tensor_parallel import clip_grad_norm_
+
+            grad_norm = float(clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.tp_group))
+        elif args.max_grad_norm > 0:
             grad_norm = full_norm(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
         optimizer.step()
     if not accelerator.optimizer_step_was_skipped:  # fp16 overflow: keep the schedule in step with updates

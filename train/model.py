@@ -191,9 +191,13 @@ def _quiet_checkpointing_renames():
         yield
 
 
-def build_model(args, config, device: torch.device, *, shardable: bool = False):
+def build_model(args, config, device: torch.device, *, shardable: bool = False, tp_group=None,
+                weights_from: str | None = None):
     """(peft model ready to train, BPT handle or None), in the order the recipe requires. shardable (implied by
-    --fsdp): 4-bit data in a float storage, which FSDP2 and ZeRO-3 can split."""
+    --fsdp): 4-bit data in a float storage, which FSDP2 and ZeRO-3 can split. `weights_from`: a checkpoint whose
+    (whole) adapter replaces the fresh one. With `tp_group` the layers are sliced over that tensor-parallel group
+    once LoRA is on (patches.tensor_parallel): the factors are drawn (or loaded) whole, as one process has them,
+    and sliced."""
     from peft import get_peft_model
 
     from patches.kbit import prepare_kbit_model
@@ -212,6 +216,18 @@ def build_model(args, config, device: torch.device, *, shardable: bool = False):
             model = get_peft_model(model, lora_config(model, args))
         except ValueError as error:
             raise UserError(f"cannot apply LoRA with --lora_target_modules {' '.join(args.lora_target_modules)}: "
+                            f"{one_line(error)}") from None
+    if weights_from:
+        from train.checkpoint import load_weights
+
+        load_weights(weights_from, model)
+    if tp_group is not None:
+        from patches.tensor_parallel import tensor_parallel
+
+        try:
+            tensor_parallel(model, tp_group)
+        except ValueError as error:
+            raise UserError(f"cannot split the model over --tensor_parallel {args.tensor_parallel}: "
                             f"{one_line(error)}") from None
     return model, patch(model, args)
 

@@ -1,8 +1,10 @@
 """How the processes of a run share the work: data parallel over groups of `--sequence_parallel N` processes,
-each group splitting its sequences N ways (patches.sequence_parallel; ring or Ulysses attention).
+each group splitting its sequences N ways (patches.sequence_parallel; ring or Ulysses attention), or over groups of
+`--tensor_parallel N` processes, each group splitting every layer N ways (patches.tensor_parallel).
 
-Ranks g*N .. g*N+N-1 form sequence-parallel group g: they read the same rows (data rank g of W / N) and each
-computes a shard of every sequence. With N = 1 this is plain data parallelism (DDP over every process).
+Ranks g*N .. g*N+N-1 form group g: they read the same rows (data rank g of W / N) and each computes a shard of every
+sequence (SP) or a slice of every layer (TP). With N = 1 this is plain data parallelism (DDP over every process).
+Under TP there is no DDP: the ranks holding the same slices (rank % N equal) sum their gradients themselves.
 """
 from __future__ import annotations
 
@@ -25,19 +27,28 @@ class Layout:
     sequence_parallel: int  # N: processes per sequence
     mode: str  # "ring" | "ulysses"
     group: object = None  # this rank's sequence-parallel process group (None when N = 1)
+    tensor_parallel: int = 1  # processes per layer slice set
+    tp_group: object = None  # this rank's tensor-parallel group (None when tensor_parallel = 1)
+    tp_data_group: object = None  # the ranks holding the same slices as this one (under TP)
+
+    @property
+    def copies(self) -> int:
+        """Ranks that read the same rows."""
+        return self.sequence_parallel * self.tensor_parallel
 
     @property
     def data_rank(self) -> int:
-        return self.rank // self.sequence_parallel
+        return self.rank // self.copies
 
     @property
     def data_world(self) -> int:
-        return self.world // self.sequence_parallel
+        return self.world // self.copies
 
 
 def check_layout(args, world: int | None = None) -> None:
     """UserError (before any model is loaded) when --sequence_parallel cannot split this launch."""
     world = launched_world_size() if world is None else world
+    check_tensor_parallel_layout(args, world)
     n = args.sequence_parallel
     if n == 1:
         return
@@ -47,6 +58,34 @@ def check_layout(args, world: int | None = None) -> None:
     if world % n:
         raise UserError(f"--sequence_parallel {n} must divide the number of processes ({world}); launch a multiple "
                         f"of {n} processes with accelerate launch --num_processes")
+
+
+def check_tensor_parallel_layout(args, world: int) -> None:
+    """UserError (before any model is loaded) when --tensor_parallel cannot split this launch or this run."""
+    n = args.tensor_parallel
+    if n == 1:
+        return
+    for flag, on in (("--sequence_parallel", args.sequence_parallel > 1), ("--fsdp", args.fsdp)):
+        if on:
+            raise UserError(f"--tensor_parallel does not compose with {flag} yet; drop one of them")
+    if args.bits == 8:
+        raise UserError("--tensor_parallel slices 16-bit and 4-bit bases, not 8-bit ones: use --bits 4 or 16")
+    if world % n:
+        raise UserError(f"--tensor_parallel {n} must divide the number of processes ({world}); launch a multiple "
+                        f"of {n} processes with accelerate launch --num_processes")
+
+
+def check_tensor_parallel_model(args, config) -> None:
+    """UserError when --tensor_parallel cannot split this model (no plan, head / MLP counts, 4-bit blocks); reads
+    the config only (the model is built on the meta device)."""
+    if args.tensor_parallel == 1:
+        return
+    from patches.tensor_parallel import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(config, args.tensor_parallel, bits=args.bits)
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def make_layout(accelerator, args) -> Layout:
@@ -59,4 +98,10 @@ def make_layout(accelerator, args) -> Layout:
         from patches.sequence_parallel import sequence_parallel_group
 
         group = sequence_parallel_group(n)
-    return Layout(world=world, rank=rank, sequence_parallel=n, mode=args.sp_mode, group=group)
+    tp_group = tp_data_group = None
+    if args.tensor_parallel > 1:
+        from patches.tensor_parallel import tensor_parallel_group
+
+        tp_group, tp_data_group = tensor_parallel_group(args.tensor_parallel)
+    return Layout(world=world, rank=rank, sequence_parallel=n, mode=args.sp_mode, group=group,
+                  tensor_parallel=args.tensor_parallel, tp_group=tp_group, tp_data_group=tp_data_group)

@@ -260,6 +260,9 @@ def check_plannable(args, config) -> None:
     if args.bits == 8:
         raise UserError("--plan simulates --bits 4 (NF4, as bitsandbytes stores it) and 16; 8-bit bases are not "
                         "emulated")
+    if args.tensor_parallel > 1:
+        raise UserError("--plan does not model --tensor_parallel; plan without it for one device holding every layer "
+                        "whole (an upper bound)")
     if args.fsdp:
         raise UserError("--plan does not model --fsdp sharding; plan without --fsdp for one device holding the whole "
                         "model (an upper bound)")

@@ -81,7 +81,7 @@ def preflight(args: Args) -> Preflight:
     from train.deepspeed import check_zero3, launcher_zero3
     from train.fsdp import check_fsdp, use_launcher_fsdp
     from train.model import check_bpt_support, check_packing, check_weight_files, load_config, load_tokenizer
-    from train.parallel import check_layout
+    from train.parallel import check_layout, check_tensor_parallel_model
     from train.rope import apply_rope_scaling
 
     check_tracker(args.report_to)
@@ -103,10 +103,14 @@ def preflight(args: Args) -> Preflight:
     if args.bpt:
         check_bpt_support(config)
     check_packing(config, args.packing)
+    use_launcher_fsdp(args)  # first: a launcher's FSDP config turns --fsdp on, which check_layout reads
     check_layout(args)
-    use_launcher_fsdp(args)
     zero3 = check_zero3(args, config, zero3)
+    if zero3 is not None and args.tensor_parallel > 1:
+        raise UserError("--tensor_parallel does not compose with DeepSpeed ZeRO-3 yet; launch without the DeepSpeed "
+                        "config or drop --tensor_parallel")
     check_fsdp(args, config)
+    check_tensor_parallel_model(args, config)
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     if args.eval_passkey:  # found now, not after training
@@ -268,7 +272,8 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
 
         split = SplitEval(layout.group, layout.mode)
         where = f"; each prompt split over {layout.sequence_parallel} processes ({layout.mode})"
-    sharded = args.fsdp or partitioned(accelerator.unwrap_model(model))  # every forward gathers the shards
+    # Sharded (FSDP, ZeRO-3) or sliced (TP) weights: every forward is a collective.
+    sharded = args.fsdp or args.tensor_parallel > 1 or partitioned(accelerator.unwrap_model(model))
     if sharded or split is not None:  # every rank takes part in the forwards; the main one reports
         tasks = evaluate()
         return on_main(accelerator, lambda: report(tasks)) or {**tasks.get("passkey", {}), "tasks": tasks}
@@ -305,16 +310,16 @@ def run(args: Args) -> RunResult:
 
     set_seed(args.seed)
     zero3 = plan.zero3
-    model, _handle = build_model(args, plan.config, accelerator.device, shardable=zero3 is not None)
-    if plan.resume_path:  # before sharding / wrapping: every rank loads the whole adapter
-        checkpoint.load_weights(plan.resume_path, model)
+    # Resuming: every rank loads the whole adapter, before slicing (TP), sharding (FSDP, ZeRO-3) or wrapping (DDP).
+    model, _handle = build_model(args, plan.config, accelerator.device, shardable=zero3 is not None,
+                                 tp_group=layout.tp_group, weights_from=plan.resume_path)
     if args.fsdp:
         shard_model(model, cpu_offload=args.fsdp_cpu_offload)  # the optimizer must see the shards
     optimizer = loop.make_optimizer(model, args)
     scheduler = loop.make_scheduler(optimizer, args, steps)
     if zero3:  # the engine partitions the model and steps the optimizer; the scheduler drives its param groups
         model = deepspeed.initialize(model, optimizer, args, zero3, accelerator.num_processes)
-    elif args.fsdp:
+    elif args.fsdp or layout.tensor_parallel > 1:  # no DDP: it would average different slices (TP)
         optimizer = accelerator.prepare(optimizer)
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -323,6 +328,7 @@ def run(args: Args) -> RunResult:
               f"{len(dataset)} rows of {args.max_seq_len} tokens; {steps} steps on {accelerator.num_processes} "
               f"process(es)" + (f"; sequences split {layout.sequence_parallel} ways ({layout.mode})"
                                  if layout.sequence_parallel > 1 else "")
+              + (f"; layers split {layout.tensor_parallel} ways (tensor parallel)" if layout.tensor_parallel > 1 else "")
               + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else "")
               + (f"; FSDP2 over {accelerator.num_processes} process(es), the main one holding "
                  f"{100 * local_share(model):.1f}% of the weights"

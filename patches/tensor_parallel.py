@@ -1,0 +1,360 @@
+"""Tensor parallelism (Megatron): each rank of a process group holds a slice of every column- / row-parallel linear
+layer as an ordinary local module, with explicit collectives around each pair.
+
+    model = get_peft_model(base, lora_config)        # full-size LoRA factors, drawn from the same seed on every rank
+    handle = tensor_parallel(model, group)            # slices base weights and LoRA factors; inserts the collectives
+    loss = model(**batch).loss; loss.backward()       # every rank of `group` reads the same batch
+    reduce_tensor_parallel_gradients(model, group)    # the replicated LoRA factors' partial gradients, summed
+    clip_grad_norm_(model.parameters(), 1.0, group)   # the norm of the whole (unsliced) gradient
+    state = gathered_state_dict(model, group)         # full shapes, for save_pretrained(state_dict=state)
+
+Which module is column- or row-parallel is data: the config's `base_model_tp_plan` (transformers' "colwise" /
+"rowwise" per module name pattern). A column-parallel layer keeps rows r*O/N .. (r+1)*O/N of its weight (its output
+features, so whole heads / MLP channels) and sees the whole input, copied to it by `_CopyToGroup` (identity forward,
+all-reduce of the input gradient backward). A row-parallel layer keeps the matching input columns; its partial outputs
+are summed by `_ReduceFromGroup` (all-reduce forward, identity backward), and a bias is added once, after the sum.
+"replicated_with_grad_allreduce" modules (per-head norms) stay whole; their gradients are summed over the group.
+
+LoRA (peft) on a sliced layer: under a column-parallel base lora_B is sliced by rows and lora_A is whole on every rank;
+under a row-parallel base lora_A is sliced by columns and lora_B is whole. The whole factor's gradient on each rank is
+this rank's share only: `reduce_tensor_parallel_gradients` sums it over the group. Apply LoRA before this function
+(peft wrapping a sliced layer afterwards would put the LoRA path outside the collectives).
+
+4-bit (bitsandbytes Linear4bit): the packed storage and the per-block absmax are sliced at quantisation-block
+boundaries (a slice that cuts a block is refused), so every rank's dequantised slice equals the same slice of the
+one-process weight, bit for bit. A double-quantised absmax (whose 8-bit statistics use the whole tensor's mean) is
+dequantised to float32 first, exactly as bitsandbytes does before every matmul; it then takes 4 bytes per block
+instead of about 1.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+STYLES = ("colwise", "rowwise")
+# Modules left whole on every rank whose weight gradient is a per-rank share (Qwen3's q_norm / k_norm, applied to
+# each rank's own heads): summed over the group like the whole LoRA factors.
+REPLICATED = ("replicated_with_grad_allreduce",)
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity forward; backward: the input gradient summed over the group (each rank's layers used the input)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Forward: the partial outputs summed over the group; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def tensor_parallel_group(size: int):
+    """This rank's tensor-parallel group: the world split into groups of `size` consecutive ranks (tp innermost), and
+    its data-parallel group (the ranks holding the same slices: rank % size equal). Every rank must call it (every
+    rank creates every group). Returns (tp_group, dp_group)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"tensor-parallel groups of {size} must divide the {world} processes")
+    tp_group = dp_group = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            tp_group = group
+    for offset in range(size):
+        group = dist.new_group(list(range(offset, world, size)))
+        if rank % size == offset:
+            dp_group = group
+    return tp_group, dp_group
+
+
+# ---------------------------------------------------------------- the plan: which modules, which way
+
+def _pattern(key: str) -> re.Pattern:
+    """transformers' plan key ('layers.*.self_attn.q_proj') -> a regex matching a module's full name's tail."""
+    return re.compile(r"(^|\.)" + re.escape(key).replace(r"\*", r"\d+") + "$")
+
+
+def tp_plan(config) -> dict[str, str]:
+    """{module name pattern: "colwise" | "rowwise"} from the config, or ValueError saying why there is none."""
+    plan = getattr(config, "base_model_tp_plan", None)
+    name = getattr(config, "model_type", type(config).__name__)
+    if not plan:
+        raise ValueError(f"{name} models have no tensor-parallel plan (config.base_model_tp_plan): tensor "
+                         "parallelism cannot tell their column- from their row-parallel layers")
+    other = sorted({style for style in plan.values() if style not in STYLES + REPLICATED})
+    if other:
+        raise ValueError(f"{name}'s tensor-parallel plan uses {', '.join(other)} (fused projections or experts); "
+                         f"only plain colwise / rowwise layers are supported")
+    return dict(plan)
+
+
+def plan_modules(model, plan: dict[str, str]) -> list[tuple[str, torch.nn.Module, str]]:
+    """(name, module, style) of every module the plan names, outermost match (a peft wrapper, not its base)."""
+    patterns = [(_pattern(key), style) for key, style in plan.items()]
+    found = []
+    for name, module in model.named_modules():
+        for pattern, style in patterns:
+            if pattern.search(name):
+                found.append((name, module, style))
+                break
+    if not found:
+        raise ValueError("no module of the model matches its tensor-parallel plan")
+    return found
+
+
+def _base(module):
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
+def _is_4bit(layer) -> bool:
+    return type(layer.weight).__name__ == "Params4bit"
+
+
+def check_tensor_parallel(config, size: int, *, bits: int = 16) -> None:
+    """ValueError (one line) when `size` ranks cannot split this model: no plan, head or MLP counts that `size` does
+    not divide, or (4-bit) a slice that would cut a 64-weight quantisation block. Builds the model on the meta
+    device only (no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    plan = tp_plan(config)
+    name = getattr(config, "model_type", "model")
+    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, attr, None)
+        if value is not None and value % size:
+            raise ValueError(f"--tensor_parallel {size} must divide the {name} model's {attr} ({value})")
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    for module_name, module, style in plan_modules(skeleton, plan):
+        if style in REPLICATED:
+            continue
+        out_features, in_features = module.weight.shape
+        if (out_features if style == "colwise" else in_features) % size:
+            raise ValueError(f"--tensor_parallel {size} must divide {module_name}'s "
+                             f"{'output' if style == 'colwise' else 'input'} features ({out_features, in_features})")
+        if bits == 4:
+            block = 64
+            cut = (out_features // size * in_features) % block if style == "colwise" else \
+                (in_features // size) % block
+            if cut:
+                raise ValueError(f"--tensor_parallel {size} would cut the 4-bit quantisation blocks ({block} weights) "
+                                 f"of {module_name} (weight {out_features}x{in_features}, {style}); use fewer "
+                                 f"tensor-parallel ranks or --bits 16")
+
+
+# ---------------------------------------------------------------- slicing
+
+def _slice_4bit(layer, style: str, rank: int, size: int) -> None:
+    """Replace a Linear4bit's Params4bit by this rank's slice (packed bytes and absmax cut at block boundaries)."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import QuantState, dequantize_blockwise
+
+    weight = layer.weight
+    state = weight.quant_state
+    out_features, in_features = state.shape
+    block = state.blocksize
+    absmax = state.absmax
+    if state.nested:  # as bitsandbytes.functional.dequantize_4bit does before each matmul
+        absmax = dequantize_blockwise(state.absmax, state.state2)
+        absmax += state.offset
+    absmax = absmax.float()
+    packed = weight.data.reshape(-1)
+    if style == "colwise":
+        rows = out_features // size
+        if (rows * in_features) % block:
+            raise ValueError(f"a {rows}-row slice of a {out_features}x{in_features} 4-bit weight cuts its blocks")
+        n = rows * in_features
+        packed = packed[rank * n // 2:(rank + 1) * n // 2]
+        absmax = absmax[rank * n // block:(rank + 1) * n // block]
+        shape = torch.Size([rows, in_features])
+    else:
+        cols = in_features // size
+        if cols % block or in_features % block:
+            raise ValueError(f"a {cols}-column slice of a {out_features}x{in_features} 4-bit weight cuts its blocks")
+        packed = packed.view(out_features, in_features // 2)[:, rank * cols // 2:(rank + 1) * cols // 2]
+        absmax = absmax.view(out_features, in_features // block)[:, rank * cols // block:(rank + 1) * cols // block]
+        shape = torch.Size([out_features, cols])
+    local = QuantState(absmax=absmax.reshape(-1).contiguous(), shape=shape, code=state.code, blocksize=block,
+                       quant_type=state.quant_type, dtype=state.dtype)
+    layer.weight = bnb.nn.Params4bit(packed.contiguous().reshape(-1, 1), requires_grad=False, quant_state=local,
+                                     blocksize=block, compress_statistics=False, quant_type=state.quant_type,
+                                     quant_storage=weight.data.dtype, module=layer, bnb_quantized=True)
+    if hasattr(layer, "quant_state"):  # some bitsandbytes versions keep a copy on the module
+        layer.quant_state = local
+    layer.out_features, layer.in_features = shape
+
+
+def _slice_base(layer, style: str, rank: int, size: int):
+    """Slice a Linear / Linear4bit in place; returns the bias a row-parallel layer adds after the sum (else None)."""
+    dim = 0 if style == "colwise" else 1
+    if _is_4bit(layer):
+        _slice_4bit(layer, style, rank, size)
+    elif isinstance(layer, torch.nn.Linear):
+        weight = layer.weight.data.chunk(size, dim=dim)[rank].contiguous()
+        layer.weight = torch.nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
+        layer.out_features, layer.in_features = weight.shape
+    else:
+        raise ValueError(f"tensor parallelism slices Linear / bitsandbytes Linear4bit layers, not "
+                         f"{type(layer).__name__}")
+    bias = layer.bias
+    if bias is None:
+        return None
+    if style == "colwise":
+        layer.bias = torch.nn.Parameter(bias.data.chunk(size)[rank].contiguous(), requires_grad=bias.requires_grad)
+        return None
+    layer.bias = None
+    return bias
+
+
+def _slice_lora(module, style: str, rank: int, size: int, group) -> list[torch.nn.Parameter]:
+    """Slice a peft LoRA wrapper's factors (B by rows under colwise, A by columns under rowwise); returns the factors
+    left whole, whose gradients are partial on each rank."""
+    if any(getattr(module, "use_dora", {}).values()):
+        raise ValueError("tensor parallelism does not support DoRA adapters")
+    whole = []
+    for adapter in module.lora_A:
+        a, b = module.lora_A[adapter], module.lora_B[adapter]
+        cut, keep = (b, a) if style == "colwise" else (a, b)
+        dim = 0 if style == "colwise" else 1
+        piece = cut.weight.data.chunk(size, dim=dim)[rank].contiguous()
+        cut.weight = torch.nn.Parameter(piece, requires_grad=cut.weight.requires_grad)
+        cut.weight.tp_dim, cut.weight.tp_group = dim, group
+        cut.out_features, cut.in_features = piece.shape
+        if cut.bias is not None or keep.bias is not None:
+            raise ValueError("tensor parallelism does not support LoRA factors with a bias")
+        keep.weight.tp_partial = True
+        whole.append(keep.weight)
+    base = module.get_base_layer()
+    module.in_features, module.out_features = base.in_features, base.out_features
+    return whole
+
+
+@dataclass
+class TensorParallelHandle:
+    group: object
+    size: int
+    modules: list[str] = field(default_factory=list)  # the sliced modules' names
+    hooks: list = field(default_factory=list)
+
+
+def tensor_parallel(model, group=None) -> TensorParallelHandle:
+    """Slice `model` (a transformers causal LM, optionally wrapped by peft) over `group` per its config's
+    base_model_tp_plan, in place. Every rank must start from the same weights (and the same LoRA factors)."""
+    from peft.tuners.lora import LoraLayer
+
+    group = group if group is not None else dist.group.WORLD
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    config = getattr(model, "config", None)
+    handle = TensorParallelHandle(group=group, size=size)
+    modules = plan_modules(model, tp_plan(config))
+    attention = set()
+    for name, module, style in modules:
+        if style in REPLICATED:
+            for param in module.parameters():
+                param.tp_partial = True
+            continue
+        base = _base(module)
+        dim = 0 if style == "colwise" else 1
+        if (base.out_features if dim == 0 else base.in_features) % size:
+            raise ValueError(f"{size} tensor-parallel ranks cannot split {name} ({base.out_features}x"
+                             f"{base.in_features}, {style})")
+        bias = _slice_base(base, style, rank, size)
+        if base.weight.requires_grad:
+            base.weight.tp_dim, base.weight.tp_group = dim, group
+        if isinstance(module, LoraLayer):
+            _slice_lora(module, style, rank, size, group)
+        if style == "colwise":
+            handle.hooks.append(module.register_forward_pre_hook(
+                lambda m, args, g=group: (_CopyToGroup.apply(args[0], g), *args[1:])))
+        else:
+            handle.hooks.append(module.register_forward_hook(
+                lambda m, args, out, g=group, b=bias: _ReduceFromGroup.apply(out, g) + (0 if b is None else b)))
+        handle.modules.append(name)
+        attention.add(name.rsplit(".", 1)[0])
+    for name, module in model.named_modules():  # attention modules that record their head counts: local counts
+        if name in attention:
+            for attr in HEAD_COUNTS:
+                value = getattr(module, attr, None)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    setattr(module, attr, value // size)
+    return handle
+
+
+# ---------------------------------------------------------------- training: gradients, norm, state
+
+def reduce_tensor_parallel_gradients(model, group=None, data_group=None) -> None:
+    """Sum the replicated LoRA factors' gradients over the tensor-parallel `group`; then, with `data_group`, every
+    trainable gradient over the data-parallel group (in place of DDP, which would mix the ranks' slices)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    _all_reduce([p.grad for p in params if getattr(p, "tp_partial", False)], group)
+    if data_group is not None and dist.get_world_size(data_group) > 1:
+        _all_reduce([p.grad for p in params], data_group)
+
+
+def _all_reduce(grads: list[torch.Tensor], group) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: the 2-norm of the whole gradient (the sliced
+    parameters' squares summed over `group`, the whole ones counted once). Returns that norm."""
+    params = [p for p in parameters if p.grad is not None]
+    sliced = [p.grad.float().pow(2).sum() for p in params if hasattr(p, "tp_dim")]
+    whole = [p.grad.float().pow(2).sum() for p in params if not hasattr(p, "tp_dim")]
+    sliced_sq = torch.stack(sliced).sum() if sliced else torch.zeros(())
+    dist.all_reduce(sliced_sq, group=group)
+    norm = (sliced_sq + (torch.stack(whole).sum() if whole else torch.zeros(()))).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(scale.to(p.grad.dtype))
+    return norm
+
+
+def gather_param(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """The whole tensor from every rank's slice along `dim` (a collective)."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def gathered_state_dict(model, group=None, *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """{name: whole tensor on CPU} of the trainable parameters (sliced ones gathered over `group`, by default the
+    group each was sliced over); every rank of the group must call it; the ranks where `keep` is false get {}."""
+    state = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            whole = gather_param(p.detach(), p.tp_dim, group or p.tp_group) if hasattr(p, "tp_dim") else p.detach()
+            if keep:
+                state[name] = whole.cpu()
+    return state

@@ -1,0 +1,162 @@
+"""`python -m train.qlora --tensor_parallel N` under `accelerate launch` (CPU processes over gloo): every layer split
+over the processes of a group, per-step losses, token counts and clipped gradient norms equal to one process training
+the same rows, the saved adapter (gathered to full shapes) equal to one process's; bad layouts refused."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cli_helpers import ENV, REPO, base_argv, losses, metrics, save_tiny_llama
+from train.args import parse_args
+from train.qlora import main, run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Packed 64-token rows, two rows per step, no dropout. Clipping at 0.05 so that it acts (the norms are ~0.1-1).
+COMMON = ("--max_steps", 2, "--per_device_train_batch_size", 2, "--lora_dropout", 0, "--max_grad_norm", 0.05,
+          "--lora_target_modules", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """The tiny llama at hidden 128 (4 heads of 32, 2 KV heads, MLP 256): each half of every layer holds whole
+    64-weight 4-bit blocks (at hidden 64 a half of o_proj's input is 32 wide)."""
+    path = tmp_path_factory.mktemp("wide")
+    save_tiny_llama(path, hidden_size=128, intermediate_size=256, head_dim=32)
+    return path
+
+
+def _argv(tiny, wide, out, *extra) -> list[str]:
+    return [*base_argv(tiny, out, *COMMON, "--save_steps", 2, *extra), "--model_name_or_path", str(wide)]
+
+
+def _launch(argv, processes: int) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", str(processes), "-m", "train.qlora",
+           *argv]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
+
+
+def _adapter(out) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "adapter_model.safetensors"))
+
+
+def _same_run(one, other) -> None:
+    assert losses(other) == pytest.approx(losses(one), rel=1e-5)
+    assert [m["tokens"] for m in metrics(other)] == [m["tokens"] for m in metrics(one)]  # each row counted once
+    assert [m["grad_norm"] for m in metrics(other)] == pytest.approx([m["grad_norm"] for m in metrics(one)], rel=1e-5)
+    assert all(m["grad_norm"] > 0.05 for m in metrics(one))  # clipping acted
+    a, b = _adapter(one), _adapter(other)
+    assert sorted(a) == sorted(b) and len(a) >= 2 * 7 * 2  # LoRA on 7 linears of 2 layers (+ embeddings, norms)
+    # Two AdamW steps (lr 1e-2) from bit-identical factors: only the gradients' float32 rounding differs, and AdamW
+    # turns an entry's gradient g into a step of lr * g / (|g| + 1e-8), which amplifies the rounding of the few
+    # entries where g cancels to ~1e-8. Measured: at most 2.1e-5 (16-bit); a wrong gradient moves entries by ~lr.
+    assert all(a[name].shape == b[name].shape for name in a)
+    worst = max(float((b[name] - a[name]).abs().max()) for name in a)
+    assert worst <= 1e-2 * 1e-2, worst
+    close = sum(int(torch.isclose(b[name], a[name], rtol=1e-5, atol=1e-7).sum()) for name in a)
+    assert close >= 0.99 * sum(a[name].numel() for name in a)
+    state_one = torch.load(one / "checkpoint-2" / "optimizer.pt")["state"]
+    state_other = torch.load(other / "checkpoint-2" / "optimizer.pt")["state"]
+    assert {k: v["exp_avg"].shape for k, v in state_one.items()} == {k: v["exp_avg"].shape for k, v in state_other.items()}
+
+
+@pytest.mark.parametrize("bits,extra", [(16, ()), (4, ()), (16, ("--train_embeddings_and_norms",))],
+                         ids=["bits16", "bits4", "bits16_embeddings_and_norms"])
+def test_two_processes_split_every_layer_and_match_one_process(tiny, wide, tmp_path, bits, extra):
+    """With --train_embeddings_and_norms the embedding and norm copies are whole on every rank (their gradients too)."""
+    from train.model import load_trained
+
+    one = tmp_path / "one"
+    run(parse_args(_argv(tiny, wide, one, "--bits", bits, *extra)))
+    two = tmp_path / "two"
+    done = _launch(_argv(tiny, wide, two, "--bits", bits, *extra, "--tensor_parallel", 2), 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "on 2 process(es); layers split 2 ways (tensor parallel)" in done.stderr
+    assert [m["step"] for m in metrics(two)] == [1, 2]  # one writer
+    _same_run(one, two)
+    model, _ = load_trained(str(two))  # one process, full shapes, peft's own loader
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.lora_B["default"].weight.shape == (128, 4)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--tensor_parallel", 2), "error: --tensor_parallel 2 must divide the number of processes (1); launch a "
+                               "multiple of 2 processes with accelerate launch --num_processes"),
+    (("--tensor_parallel", 2, "--sequence_parallel", 2),
+     "error: --tensor_parallel does not compose with --sequence_parallel yet; drop one of them"),
+    (("--tensor_parallel", 0), "error: --tensor_parallel must be a positive integer, got 0"),
+    (("--tensor_parallel", 2, "--bits", 8),
+     "error: --tensor_parallel slices 16-bit and 4-bit bases, not 8-bit ones: use --bits 4 or 16"),
+    (("--tensor_parallel", 2, "--plan", "h100-80gb"),
+     "error: --plan does not model --tensor_parallel; plan without it for one device holding every layer whole (an "
+     "upper bound)"),
+])
+def test_a_layout_that_cannot_split_is_refused_before_loading(tiny, tmp_path, capsys, extra, message):
+    assert main(base_argv(tiny, tmp_path / "run", *extra)) == 2
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == message
+
+
+def test_a_model_that_cannot_split_is_refused_before_loading(tiny, tmp_path):
+    """The bundled-size tiny llama (hidden 64): a half of o_proj's input (32) would cut the 4-bit blocks. Two
+    processes, so that the layout itself is fine."""
+    done = _launch(base_argv(tiny, tmp_path / "run", "--bits", 4, "--tensor_parallel", 2), 2)
+    assert done.returncode != 0 and "(exitcode: 2)" in done.stderr  # each rank exits 2; the launcher then fails
+    assert "Loading weights" not in done.stderr and "[rank" not in done.stderr  # no rank's traceback
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [  # once, by the main process
+        "error: --tensor_parallel 2 would cut the 4-bit quantisation blocks (64 weights) of model.layers.0.self_attn."
+        "o_proj (weight 64x64, rowwise); use fewer tensor-parallel ranks or --bits 16"], done.stderr[-2000:]
+
+
+def test_four_processes_as_two_tensor_parallel_groups_match_one_process(tiny, wide, tmp_path):
+    """TP 2 x DP 2: groups (0, 1) and (2, 3) each take one row per step and split every layer; ranks 0 and 2 (1 and
+    3) hold the same slices and sum their gradients. Together: one process with a batch of two."""
+    one = tmp_path / "one"
+    run(parse_args(_argv(tiny, wide, one)))
+    four = tmp_path / "four"
+    done = _launch(_argv(tiny, wide, four, "--per_device_train_batch_size", 1, "--tensor_parallel", 2), 4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "on 4 process(es); layers split 2 ways (tensor parallel)" in done.stderr
+    _same_run(one, four)
+
+
+def test_passkey_evaluation_under_tensor_parallel_matches_one_process(tiny, wide, tmp_path):
+    """Every rank of the group decodes together (each forward needs the whole group); the main one reports. The
+    tiny model finds no pass key either way (accuracy 0): this checks the mechanics (no rank left waiting, one
+    report); test_tensor_parallel_model checks the decoded tokens."""
+    import json
+
+    extra = ("--rope_scaling", "linear", "--rope_factor", 2, "--eval_passkey", "--eval_trials", 1,
+             "--eval_lengths", 140, "--max_steps", 1)  # 256 positions: room for a passkey prompt
+    one = tmp_path / "one"
+    run(parse_args(_argv(tiny, wide, one, *extra)))
+    two = tmp_path / "two"
+    done = _launch(_argv(tiny, wide, two, *extra, "--tensor_parallel", 2), 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("passkey accuracy") == 2  # before and after, printed once each
+    assert json.loads((two / "eval.json").read_text()) == json.loads((one / "eval.json").read_text())
+
+
+def test_a_tensor_parallel_run_resumes_from_its_checkpoint(tiny, wide, tmp_path):
+    """Checkpoints hold the whole adapter and optimizer state (gathered); a resumed TP run loads them whole and slices
+    them again: its steps equal the uninterrupted run's."""
+    first = tmp_path / "first"
+    extra = ("--bits", 4, "--tensor_parallel", 2, "--max_steps", 3, "--save_steps", 1)
+    done = _launch(_argv(tiny, wide, first, *extra), 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = tmp_path / "again"
+    resumed = _launch([*_argv(tiny, wide, again, *extra), "--resume_from_checkpoint", str(first / "checkpoint-1")], 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "checkpoint-1 at step 1" in resumed.stderr
+    assert [m["step"] for m in metrics(again)] == [2, 3]
+    assert losses(again) == pytest.approx(losses(first)[1:], rel=1e-6)
+    a, b = _adapter(first), _adapter(again)
+    assert all(torch.allclose(b[name], a[name], rtol=0, atol=1e-6) for name in a)
