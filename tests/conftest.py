@@ -17,9 +17,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Modules whose tests start several processes (gloo groups, accelerate / torchrun launches, signals sent on a
 # timer): they run one after another on one worker, so no two launches race for a port or for both cores.
 PROCESS_MODULES = {
-    "test_bench_sequence_parallel", "test_cli_errors", "test_cli_signals", "test_qlora_cli", "test_qlora_fsdp",
-    "test_qlora_sequence_parallel", "test_ring_attention", "test_sequence_parallel_model",
-    "test_eval_split", "test_split_eval", "test_trainer_sequence_parallel", "test_ulysses_attention",
+    "test_bench_sequence_parallel", "test_cli_errors", "test_cli_signals", "test_eval_split", "test_qlora_cli",
+    "test_qlora_fsdp", "test_qlora_sequence_parallel", "test_qlora_tensor_parallel", "test_qlora_zero3",
+    "test_ring_attention", "test_sequence_parallel_model", "test_split_eval", "test_tensor_parallel_model",
+    "test_trainer_sequence_parallel", "test_ulysses_attention",
 }
 
 
