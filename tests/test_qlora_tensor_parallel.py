@@ -85,11 +85,25 @@ def test_two_processes_split_every_layer_and_match_one_process(tiny, wide, tmp_p
     assert q.lora_B["default"].weight.shape == (128, 4)
 
 
+def test_the_layout_puts_tensor_parallel_innermost():
+    """rank = (dp_index * sp + sp_index) * tp + tp_index; with tp = 1 the SP groups are the consecutive ones
+    patches.sequence_parallel.sequence_parallel_group makes, with sp = 1 the groups tensor_parallel_group makes."""
+    from train.parallel import mesh_ranks
+
+    sp, tp, same = mesh_ranks(8, 2, 2)  # dp 2
+    assert sp == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert tp == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert same == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert mesh_ranks(4, 2, 1)[0] == [[0, 1], [2, 3]]
+    assert mesh_ranks(4, 1, 2) == ([[0], [1], [2], [3]], [[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    with pytest.raises(ValueError):
+        mesh_ranks(6, 2, 2)
+
+
 @pytest.mark.parametrize("extra,message", [
     (("--tensor_parallel", 2), "error: --tensor_parallel 2 must divide the number of processes (1); launch a "
                                "multiple of 2 processes with accelerate launch --num_processes"),
-    (("--tensor_parallel", 2, "--sequence_parallel", 2),
-     "error: --tensor_parallel does not compose with --sequence_parallel yet; drop one of them"),
+    (("--tensor_parallel", 2, "--fsdp"), "error: --tensor_parallel does not compose with --fsdp yet; drop one of them"),
     (("--tensor_parallel", 0), "error: --tensor_parallel must be a positive integer, got 0"),
     (("--tensor_parallel", 2, "--bits", 8),
      "error: --tensor_parallel slices 16-bit and 4-bit bases, not 8-bit ones: use --bits 4 or 16"),
@@ -102,6 +116,20 @@ def test_a_layout_that_cannot_split_is_refused_before_loading(tiny, tmp_path, ca
     err = capsys.readouterr().err
     assert "Loading weights" not in err and "Traceback" not in err
     assert err.strip().splitlines()[-1] == message
+
+
+def test_ulysses_over_too_few_local_heads_is_refused_before_loading(tiny, tmp_path, capsys, monkeypatch):
+    """The tiny llama's 4 query heads split over TP 2 leave 2 per rank, which Ulysses cannot split 4 ways. The
+    launcher's WORLD_SIZE (8 = 2 x 4) is all the layout check reads, so one process stands for the launch."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    argv = base_argv(tiny, tmp_path / "run", "--bits", 16, "--tensor_parallel", 2, "--sequence_parallel", 4,
+                     "--sp_mode", "ulysses")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "error: --sp_mode ulysses splits each rank's 2 query heads (4 / --tensor_parallel 2) over --sequence_parallel "
+        "4, so they must divide by 4; use --sp_mode ring or fewer tensor-parallel ranks")
 
 
 def test_a_model_that_cannot_split_is_refused_before_loading(tiny, tmp_path):
@@ -125,6 +153,22 @@ def test_four_processes_as_two_tensor_parallel_groups_match_one_process(tiny, wi
     done = _launch(_argv(tiny, wide, four, "--per_device_train_batch_size", 1, "--tensor_parallel", 2), 4)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "on 4 process(es); layers split 2 ways (tensor parallel)" in done.stderr
+    _same_run(one, four)
+
+
+@pytest.mark.parametrize("mode,bits", [("ring", 16), ("ulysses", 4)])
+def test_four_processes_as_tensor_x_sequence_parallel_match_one_process(tiny, wide, tmp_path, mode, bits):
+    """TP 2 x SP 2: ranks (0, 1) hold the first shard of every sequence and (2, 3) the second, each pair splitting
+    every layer; the attention of each rank's 2 local heads (1 KV head) runs over the strided SP group (0, 2) or
+    (1, 3), which also sums the gradients of the same slices. Together: one process with the same two rows."""
+    one = tmp_path / "one"
+    run(parse_args(_argv(tiny, wide, one, "--bits", bits)))
+    four = tmp_path / "four"
+    done = _launch(_argv(tiny, wide, four, "--bits", bits, "--tensor_parallel", 2, "--sequence_parallel", 2,
+                         "--sp_mode", mode), 4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"on 4 process(es); sequences split 2 ways ({mode}); layers split 2 ways (tensor parallel)" in done.stderr
+    assert [m["step"] for m in metrics(four)] == [1, 2]  # one writer
     _same_run(one, four)
 
 

@@ -137,7 +137,8 @@ class TrainArguments:
         1, "Split every q/k/v/o and MLP layer (heads, MLP channels) over N processes, Megatron style (of those "
         "accelerate launch starts; data parallel over the groups; the number of processes must be a multiple of N). "
         "Families with a plain colwise / rowwise tp plan in transformers; at --bits 4 each slice must hold whole "
-        "64-weight quantisation blocks. Not with --sequence_parallel or --fsdp yet.")
+        "64-weight quantisation blocks. With --sequence_parallel M: groups of N x M processes, each sequence split M "
+        "ways over ranks holding the same slices. Not with --fsdp yet.")
     sp_mode: str = _opt("ring", "Sequence-parallel attention: ring (any head count; not ALiBi-bias families or "
                         "attention sinks) or ulysses (query heads must divide by N).", choices=("ring", "ulysses"))
     fsdp: bool = _opt(False, "Shard the (4-bit) base and LoRA over every process with FSDP2 (torch fully_shard), so "

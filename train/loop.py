@@ -127,7 +127,8 @@ def accumulate(model, group: list[dict], accelerator, layout: Layout) -> tuple[f
     (num_items_in_batch), so the accumulated gradient is that of the step's mean token loss, whatever
     the padding or micro-batch sizes. Under sequence parallelism every rank of a group holds the same rows
     (counted once) and computes the token losses of its shard of them; under tensor parallelism every rank of a
-    group computes the whole loss of the same rows with its slice of every layer.
+    group computes the same loss (of the same rows, or of the same shard of them under both) with its slice of every
+    layer.
     """
     from patches import sequence_parallel_attention, shard_batch
 
@@ -161,7 +162,7 @@ def accumulate(model, group: list[dict], accelerator, layout: Layout) -> tuple[f
         from patches.tensor_parallel import reduce_tensor_parallel_gradients
 
         reduce_tensor_parallel_gradients(model, layout.tp_group, layout.tp_data_group)
-    # Every rank of a TP group computed the same (whole) loss of its rows: count it once.
+    # Every rank of a TP group computed the same loss (share): count it once; the SP ranks' shares sum.
     return accelerator.reduce(total, "sum").item() / tensor_parallel, int(tokens.item())
 
 

@@ -1,10 +1,13 @@
-"""How the processes of a run share the work: data parallel over groups of `--sequence_parallel N` processes,
-each group splitting its sequences N ways (patches.sequence_parallel; ring or Ulysses attention), or over groups of
-`--tensor_parallel N` processes, each group splitting every layer N ways (patches.tensor_parallel).
+"""How the processes of a run share the work: one (dp, sp, tp) layout. Data parallel over groups of SP x TP
+processes; each group reads the same rows (data rank g of W / (SP x TP)), splits its sequences SP ways
+(`--sequence_parallel`, patches.sequence_parallel; ring or Ulysses attention) and every layer TP ways
+(`--tensor_parallel`, patches.tensor_parallel).
 
-Ranks g*N .. g*N+N-1 form group g: they read the same rows (data rank g of W / N) and each computes a shard of every
-sequence (SP) or a slice of every layer (TP). With N = 1 this is plain data parallelism (DDP over every process).
-Under TP there is no DDP: the ranks holding the same slices (rank % N equal) sum their gradients themselves.
+rank = (dp_index * SP + sp_index) * TP + tp_index (tp innermost): a tensor-parallel group is TP consecutive ranks
+(they hold the same tokens: the same sequence shard); a sequence-parallel group is the SP ranks of one data group with
+the same tp_index (strided by TP; consecutive when TP = 1). With SP = TP = 1 this is plain data parallelism (DDP over
+every process). Under TP there is no DDP: the ranks holding the same slices (the same tp_index, across sp and dp) sum
+their gradients themselves (each sp rank's loss is a share of its sequences' loss, each dp rank's of the step's).
 """
 from __future__ import annotations
 
@@ -65,14 +68,17 @@ def check_tensor_parallel_layout(args, world: int) -> None:
     n = args.tensor_parallel
     if n == 1:
         return
-    for flag, on in (("--sequence_parallel", args.sequence_parallel > 1), ("--fsdp", args.fsdp)):
-        if on:
-            raise UserError(f"--tensor_parallel does not compose with {flag} yet; drop one of them")
+    if args.fsdp:
+        raise UserError("--tensor_parallel does not compose with --fsdp yet; drop one of them")
     if args.bits == 8:
         raise UserError("--tensor_parallel slices 16-bit and 4-bit bases, not 8-bit ones: use --bits 4 or 16")
     if world % n:
         raise UserError(f"--tensor_parallel {n} must divide the number of processes ({world}); launch a multiple "
                         f"of {n} processes with accelerate launch --num_processes")
+    sp = args.sequence_parallel
+    if sp > 1 and world % (n * sp):
+        raise UserError(f"--tensor_parallel {n} x --sequence_parallel {sp} must divide the number of processes "
+                        f"({world}); launch a multiple of {n * sp} processes with accelerate launch --num_processes")
 
 
 def check_tensor_parallel_model(args, config) -> None:
@@ -86,22 +92,47 @@ def check_tensor_parallel_model(args, config) -> None:
         check_tensor_parallel(config, args.tensor_parallel, bits=args.bits)
     except ValueError as error:
         raise UserError(str(error)) from None
+    heads, sp = getattr(config, "num_attention_heads", None), args.sequence_parallel
+    if sp > 1 and args.sp_mode == "ulysses" and isinstance(heads, int) and (heads // args.tensor_parallel) % sp:
+        raise UserError(f"--sp_mode ulysses splits each rank's {heads // args.tensor_parallel} query heads ({heads} / "
+                        f"--tensor_parallel {args.tensor_parallel}) over --sequence_parallel {sp}, so they must "
+                        f"divide by {sp}; use --sp_mode ring or fewer tensor-parallel ranks")
+
+
+def mesh_ranks(world: int, sp: int, tp: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """The (dp, sp, tp) layout's groups, as rank lists in the order every rank creates them: (sequence-parallel
+    groups, tensor-parallel groups, same-slices groups). rank = (dp_index * sp + sp_index) * tp + tp_index."""
+    if sp < 1 or tp < 1 or world % (sp * tp):
+        raise ValueError(f"sp {sp} x tp {tp} must divide the {world} processes")
+    dp = world // (sp * tp)
+    sp_groups = [[(d * sp + s) * tp + t for s in range(sp)] for d in range(dp) for t in range(tp)]
+    tp_groups = [list(range(first, first + tp)) for first in range(0, world, tp)]
+    slice_groups = [list(range(t, world, tp)) for t in range(tp)]  # the same tp_index across sp and dp
+    return sp_groups, tp_groups, slice_groups
 
 
 def make_layout(accelerator, args) -> Layout:
-    """This rank's place in the run; creates the sequence-parallel process groups (every rank creates every
-    group, as torch.distributed requires)."""
-    world, rank, n = accelerator.num_processes, accelerator.process_index, args.sequence_parallel
+    """This rank's place in the run; creates the sequence- and tensor-parallel process groups (every rank creates
+    every group, as torch.distributed requires: the sp groups, then the tp groups and the same-slices groups)."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    n, tp = args.sequence_parallel, args.tensor_parallel
     check_layout(args, world)
-    group = None
-    if n > 1:
-        from patches.sequence_parallel import sequence_parallel_group
+    group = tp_group = tp_data_group = None
+    if n > 1 or tp > 1:
+        import torch.distributed as dist
 
-        group = sequence_parallel_group(n)
-    tp_group = tp_data_group = None
-    if args.tensor_parallel > 1:
-        from patches.tensor_parallel import tensor_parallel_group
+        sp_groups, tp_groups, slice_groups = mesh_ranks(world, n, tp)
 
-        tp_group, tp_data_group = tensor_parallel_group(args.tensor_parallel)
+        def mine(rank_lists):
+            found = None
+            for ranks in rank_lists:
+                created = dist.new_group(ranks)
+                if rank in ranks:
+                    found = created
+            return found
+
+        group = mine(sp_groups) if n > 1 else None
+        if tp > 1:
+            tp_group, tp_data_group = mine(tp_groups), mine(slice_groups)
     return Layout(world=world, rank=rank, sequence_parallel=n, mode=args.sp_mode, group=group,
-                  tensor_parallel=args.tensor_parallel, tp_group=tp_group, tp_data_group=tp_data_group)
+                  tensor_parallel=tp, tp_group=tp_group, tp_data_group=tp_data_group)
