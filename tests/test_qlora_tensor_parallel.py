@@ -172,10 +172,12 @@ def test_four_processes_as_tensor_x_sequence_parallel_match_one_process(tiny, wi
     _same_run(one, four)
 
 
-def test_passkey_evaluation_under_tensor_parallel_matches_one_process(tiny, wide, tmp_path):
+@pytest.mark.parametrize("processes,split", [(2, ()), (4, ("--sequence_parallel", 2))], ids=["tp2", "tp2_sp2"])
+def test_passkey_evaluation_under_tensor_parallel_matches_one_process(tiny, wide, tmp_path, processes, split):
     """Every rank of the group decodes together (each forward needs the whole group); the main one reports. The
     tiny model finds no pass key either way (accuracy 0): this checks the mechanics (no rank left waiting, one
-    report); test_tensor_parallel_model checks the decoded tokens."""
+    report); test_tensor_parallel_model checks the decoded tokens. Under TP x SP each prompt is also split over the
+    sequence-parallel group (ring), as training splits its rows."""
     import json
 
     extra = ("--rope_scaling", "linear", "--rope_factor", 2, "--eval_passkey", "--eval_trials", 1,
@@ -183,7 +185,7 @@ def test_passkey_evaluation_under_tensor_parallel_matches_one_process(tiny, wide
     one = tmp_path / "one"
     run(parse_args(_argv(tiny, wide, one, *extra)))
     two = tmp_path / "two"
-    done = _launch(_argv(tiny, wide, two, *extra, "--tensor_parallel", 2), 2)
+    done = _launch(_argv(tiny, wide, two, *extra, "--tensor_parallel", 2, *split), processes)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("passkey accuracy") == 2  # before and after, printed once each
     assert json.loads((two / "eval.json").read_text()) == json.loads((one / "eval.json").read_text())
