@@ -172,6 +172,20 @@ def test_four_processes_as_tensor_x_sequence_parallel_match_one_process(tiny, wi
     _same_run(one, four)
 
 
+def test_eight_processes_as_data_x_sequence_x_tensor_parallel_match_one_process(tiny, wide, tmp_path):
+    """DP 2 x SP 2 x TP 2: groups (0..3) and (4..7) each take one row per step; in each, SP groups (0, 2), (1, 3)
+    (and (4, 6), (5, 7)); ranks 0, 2, 4, 6 (1, 3, 5, 7) hold the same slices and sum their gradients. Together: one
+    process with a batch of two."""
+    one = tmp_path / "one"
+    run(parse_args(_argv(tiny, wide, one, "--bits", 16)))
+    eight = tmp_path / "eight"
+    done = _launch(_argv(tiny, wide, eight, "--bits", 16, "--per_device_train_batch_size", 1, "--tensor_parallel", 2,
+                         "--sequence_parallel", 2), 8)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "on 8 process(es); sequences split 2 ways (ring); layers split 2 ways (tensor parallel)" in done.stderr
+    _same_run(one, eight)
+
+
 @pytest.mark.parametrize("processes,split", [(2, ()), (4, ("--sequence_parallel", 2))], ids=["tp2", "tp2_sp2"])
 def test_passkey_evaluation_under_tensor_parallel_matches_one_process(tiny, wide, tmp_path, processes, split):
     """Every rank of the group decodes together (each forward needs the whole group); the main one reports. The
