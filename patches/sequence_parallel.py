@@ -121,7 +121,8 @@ class SequenceParallelContext:
 
 def sequence_parallel_group(size: int):
     """This rank's group when the world splits into groups of `size` consecutive ranks (g*size .. g*size+size-1),
-    the layout train.qlora and patches.trainer use. Every rank must call it: every rank creates every group."""
+    the layout patches.trainer uses, and train.qlora's without --tensor_parallel (with it: train.parallel.mesh_ranks).
+    Every rank must call it: every rank creates every group."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if size < 1 or world % size:
         raise ValueError(f"sequence-parallel groups of {size} must divide the {world} processes")
