@@ -205,15 +205,18 @@ def test_passkey_evaluation_under_tensor_parallel_matches_one_process(tiny, wide
     assert json.loads((two / "eval.json").read_text()) == json.loads((one / "eval.json").read_text())
 
 
-def test_a_tensor_parallel_run_resumes_from_its_checkpoint(tiny, wide, tmp_path):
+@pytest.mark.parametrize("processes,split", [(2, ()), (4, ("--sequence_parallel", 2, "--sp_mode", "ulysses"))],
+                         ids=["tp2", "tp2_sp2"])
+def test_a_tensor_parallel_run_resumes_from_its_checkpoint(tiny, wide, tmp_path, processes, split):
     """Checkpoints hold the whole adapter and optimizer state (gathered); a resumed TP run loads them whole and slices
     them again: its steps equal the uninterrupted run's."""
     first = tmp_path / "first"
-    extra = ("--bits", 4, "--tensor_parallel", 2, "--max_steps", 3, "--save_steps", 1)
-    done = _launch(_argv(tiny, wide, first, *extra), 2)
+    extra = ("--bits", 4, "--tensor_parallel", 2, *split, "--max_steps", 3, "--save_steps", 1)
+    done = _launch(_argv(tiny, wide, first, *extra), processes)
     assert done.returncode == 0, done.stderr[-3000:]
     again = tmp_path / "again"
-    resumed = _launch([*_argv(tiny, wide, again, *extra), "--resume_from_checkpoint", str(first / "checkpoint-1")], 2)
+    resumed = _launch([*_argv(tiny, wide, again, *extra), "--resume_from_checkpoint", str(first / "checkpoint-1")],
+                      processes)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "checkpoint-1 at step 1" in resumed.stderr
     assert [m["step"] for m in metrics(again)] == [2, 3]
