@@ -118,18 +118,25 @@ def test_a_layout_that_cannot_split_is_refused_before_loading(tiny, tmp_path, ca
     assert err.strip().splitlines()[-1] == message
 
 
-def test_ulysses_over_too_few_local_heads_is_refused_before_loading(tiny, tmp_path, capsys, monkeypatch):
-    """The tiny llama's 4 query heads split over TP 2 leave 2 per rank, which Ulysses cannot split 4 ways. The
-    launcher's WORLD_SIZE (8 = 2 x 4) is all the layout check reads, so one process stands for the launch."""
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    argv = base_argv(tiny, tmp_path / "run", "--bits", 16, "--tensor_parallel", 2, "--sequence_parallel", 4,
+@pytest.mark.parametrize("world,sp,message", [
+    (8, 4, "error: --sp_mode ulysses splits each rank's 2 query heads (4 / --tensor_parallel 2) over "
+           "--sequence_parallel 4, so they must divide by 4; use --sp_mode ring or fewer tensor-parallel ranks"),
+    (6, 2, "error: --tensor_parallel 2 x --sequence_parallel 2 must divide the number of processes (6); launch a "
+           "multiple of 4 processes with accelerate launch --num_processes"),
+], ids=["ulysses_heads", "world"])
+def test_a_tensor_x_sequence_parallel_layout_that_cannot_split_is_refused_before_loading(tiny, tmp_path, capsys,
+                                                                                          monkeypatch, world, sp,
+                                                                                          message):
+    """The tiny llama's 4 query heads split over TP 2 leave 2 per rank, which Ulysses cannot split 4 ways; 6
+    processes do not make groups of 2 x 2. The launcher's WORLD_SIZE is all the layout check reads, so one process
+    stands for the launch."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    argv = base_argv(tiny, tmp_path / "run", "--bits", 16, "--tensor_parallel", 2, "--sequence_parallel", sp,
                      "--sp_mode", "ulysses")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Loading weights" not in err and "Traceback" not in err
-    assert err.strip().splitlines()[-1] == (
-        "error: --sp_mode ulysses splits each rank's 2 query heads (4 / --tensor_parallel 2) over --sequence_parallel "
-        "4, so they must divide by 4; use --sp_mode ring or fewer tensor-parallel ranks")
+    assert err.strip().splitlines()[-1] == message
 
 
 def test_a_model_that_cannot_split_is_refused_before_loading(tiny, tmp_path):
