@@ -19,13 +19,20 @@ How it plugs in (transformers' own hooks for its context parallelism, which this
   process's gradient the sum over the group, as the split requires.
 - the training dataloader: the ranks of a group read the same rows (accelerate's batch sharding over the
   data-parallel groups instead of over every process).
-Evaluation is not split: each process evaluates whole sequences of its own rows.
+- evaluation (`evaluate`, with `prediction_loss_only`): the eval / test dataloaders give the ranks of a group the same
+  rows, as for training; `prediction_step` splits each batch by `shard_batch` and its loss is the group's
+  token-weighted mean (`group_loss`), the same on every rank of the group; the loop gathers one copy per group, so
+  `eval_loss` is the one-process loss of the same batches (tested: ring and Ulysses, SP 2 and SP 2 x DP 2).
+  Logits / predictions (`prediction_loss_only=False`, e.g. for `compute_metrics`) are refused with a ValueError.
 """
 from __future__ import annotations
 
 from transformers import Trainer
 
-from patches.sequence_parallel import MODES, sequence_parallel_attention, sequence_parallel_group, shard_batch
+import torch
+
+from patches.sequence_parallel import (MODES, group_loss, sequence_parallel_attention, sequence_parallel_group,
+                                       shard_batch)
 
 __all__ = ["SequenceParallelMixin", "SequenceParallelTrainer"]
 
@@ -48,17 +55,55 @@ class SequenceParallelMixin:
     def get_cp_size(self) -> int:
         return self.sequence_parallel
 
-    def get_train_dataloader(self):
-        loader = super().get_train_dataloader()
+    def _same_rows_in_group(self, loader, dataset: str):
+        """Shard the loader's batches over the data-parallel groups, not over every process (in place)."""
         if self.sequence_parallel > 1:
             batches = getattr(loader, "batch_sampler", None)
             if not hasattr(batches, "process_index"):
-                raise ValueError("sequence parallelism needs a map-style train_dataset (with a length), so the ranks "
+                raise ValueError(f"sequence parallelism needs a map-style {dataset} (with a length), so the ranks "
                                  "of a group can read the same rows")
             rank = self.accelerator.process_index
             batches.num_processes = self.accelerator.num_processes // self.sequence_parallel
             batches.process_index = rank // self.sequence_parallel
         return loader
+
+    def get_train_dataloader(self):
+        return self._same_rows_in_group(super().get_train_dataloader(), "train_dataset")
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._same_rows_in_group(super().get_eval_dataloader(eval_dataset), "eval_dataset")
+
+    def get_test_dataloader(self, test_dataset):
+        return self._same_rows_in_group(super().get_test_dataloader(test_dataset), "test_dataset")
+
+    def evaluation_loop(self, *args, **kwargs):
+        if self.sequence_parallel > 1:  # the Trainer resets it to gather_for_metrics after its loop
+            self.gather_function = self._gather_one_per_group
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_one_per_group(self, tensor):
+        """gather_for_metrics over the data-parallel groups: every process's tensor, then the first rank's of each
+        group (the group's ranks hold the same rows), then accelerate's cut of the last batch's padding rows."""
+        gathered = self.accelerator.gather(tensor)
+        groups = self.accelerator.num_processes // self.sequence_parallel
+        gathered = gathered.reshape(groups, self.sequence_parallel, -1, *tensor.shape[1:])[:, 0].flatten(0, 1)
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            gathered = gathered[:state.remainder]
+        return gathered
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if self.sequence_parallel == 1:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        if not prediction_loss_only:
+            raise ValueError("evaluation with sequence parallelism computes the loss only: set "
+                             "prediction_loss_only=True (no compute_metrics, no logits or predictions)")
+        inputs = self._prepare_inputs(inputs)
+        local, context = shard_batch(inputs, self.sp_group, self.sp_mode)
+        with torch.no_grad(), self.compute_loss_context_manager(), \
+                sequence_parallel_attention(self.accelerator.unwrap_model(model), context):
+            share = model(**local).loss  # this rank's token losses / the group's count
+        return group_loss(share, self.sp_group), None, None
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         if self.sequence_parallel == 1 or not model.training:

@@ -1,6 +1,7 @@
 """One HF Trainer run for tests/test_trainer_sequence_parallel.py: `python sp_trainer_run.py OUT SP MODE` alone, or
 under torchrun with several processes. Writes OUT/result.pt on the main process: the logged losses and the trained
-LoRA weights. A tiny llama with LoRA, patched; 8 right-padded rows of 45 tokens; 3 steps of 2 rows."""
+LoRA weights, and after training `trainer.evaluate()`'s eval_loss on the same 8 rows (2 a batch). A tiny
+llama with LoRA, patched; 8 right-padded rows of 45 tokens; 3 steps of 2 rows."""
 from __future__ import annotations
 
 import gc
@@ -30,9 +31,10 @@ def collate(batch: list[dict]) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-ARG_NAMES = ("output_dir", "per_device_train_batch_size", "max_steps", "learning_rate", "logging_steps",
-             "save_strategy", "report_to", "use_cpu", "train_sampling_strategy", "gradient_checkpointing",
-             "gradient_checkpointing_kwargs", "disable_tqdm", "remove_unused_columns", "seed")
+ARG_NAMES = ("output_dir", "per_device_train_batch_size", "per_device_eval_batch_size", "prediction_loss_only",
+             "max_steps", "learning_rate", "logging_steps", "save_strategy", "report_to", "use_cpu",
+             "train_sampling_strategy", "gradient_checkpointing", "gradient_checkpointing_kwargs", "disable_tqdm",
+             "remove_unused_columns", "seed")
 
 
 def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") -> None:
@@ -50,7 +52,8 @@ def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") 
     apply_bpt_patch(model, q_block=8, kv_block=8, mlp_chunk=8, loss_chunk=8)
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2 // (int(os.environ.get("WORLD_SIZE", 1))
                                                                                // sequence_parallel),
-                             max_steps=3, learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to=[],
+                             per_device_eval_batch_size=2, prediction_loss_only=True, max_steps=3, learning_rate=1e-2,
+                             logging_steps=1, save_strategy="no", report_to=[],
                              use_cpu=True, train_sampling_strategy="sequential", gradient_checkpointing=True,
                              gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True,
                              remove_unused_columns=False, seed=0)
@@ -67,18 +70,29 @@ def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") 
 
         args = SFTConfig(**{k: v for k, v in args.to_dict().items() if k in ARG_NAMES}, bf16=False, max_length=None)
         trainer = SequenceParallelSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows()),
-                                             processing_class=build_tokenizer(), sequence_parallel=sequence_parallel,
-                                             sp_mode=mode)
+                                             eval_dataset=Dataset.from_list(rows()), processing_class=build_tokenizer(),
+                                             sequence_parallel=sequence_parallel, sp_mode=mode)
     else:
-        trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=rows(), data_collator=collate,
-                                          sequence_parallel=sequence_parallel, sp_mode=mode)
+        trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=rows(), eval_dataset=rows(),
+                                          data_collator=collate, sequence_parallel=sequence_parallel, sp_mode=mode)
+    from bpt.sequence_parallel import traffic
+
     trainer.train()
+    sent = traffic.total()
+    evals = [trainer.evaluate()["eval_loss"]]
+    eval_bytes = traffic.total() - sent  # > 0 when evaluation ran split over the group
+    refusal = None
+    if sequence_parallel > 1:  # logits / predictions (compute_metrics) are refused
+        trainer.compute_metrics, trainer.args.prediction_loss_only = (lambda prediction: {}), False
+        try:
+            trainer.evaluate()
+        except ValueError as error:
+            refusal = str(error)
     if trainer.is_world_process_zero():
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        from bpt.sequence_parallel import traffic
-
-        torch.save({"losses": losses, "lora": lora, "bytes_sent": traffic.total()}, os.path.join(out, "result.pt"))
+        torch.save({"losses": losses, "lora": lora, "bytes_sent": traffic.total(), "eval_losses": evals,
+                    "eval_bytes": eval_bytes, "refusal": refusal}, os.path.join(out, "result.pt"))
     # Tear down while every rank is alive: DDP's reducer holds a gloo group, and a group destroyed at interpreter
     # exit, after its peers left, was seen to abort the process (CI) or hang it in the group's destructor.
     trainer.accelerator.free_memory()  # accelerate's references to the DDP-wrapped model
