@@ -22,7 +22,9 @@ How it plugs in (transformers' own hooks for its context parallelism, which this
 - evaluation (`evaluate`, with `prediction_loss_only`): the eval / test dataloaders give the ranks of a group the same
   rows, as for training; `prediction_step` splits each batch by `shard_batch` and its loss is the group's
   token-weighted mean (`group_loss`), the same on every rank of the group; the loop gathers one copy per group, so
-  `eval_loss` is the one-process loss of the same batches (tested: ring and Ulysses, SP 2 and SP 2 x DP 2).
+  `eval_loss` is the one-process loss of the same batches (tested: SP 2 x DP 2 ring and SP 2 Ulysses with Trainer,
+  SP 2 Ulysses with TRL's SFTTrainer; eval rows a multiple of the global eval batch, so accelerate's cut of a short
+  last batch's padding rows, kept as is, is not exercised).
   Logits / predictions (`prediction_loss_only=False`, e.g. for `compute_metrics`) are refused with a ValueError.
 """
 from __future__ import annotations

@@ -81,6 +81,11 @@ def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") 
     sent = traffic.total()
     evals = [trainer.evaluate()["eval_loss"]]
     eval_bytes = traffic.total() - sent  # > 0 when evaluation ran split over the group
+    gathered = None
+    if sequence_parallel > 1:  # the eval loop's gather: one copy per group (values: group, rank in group + 5)
+        rank = torch.distributed.get_rank()
+        mine = torch.tensor([rank // sequence_parallel, rank % sequence_parallel + 5])
+        gathered = trainer._gather_one_per_group(mine).tolist()
     refusal = None
     if sequence_parallel > 1:  # logits / predictions (compute_metrics) are refused
         trainer.compute_metrics, trainer.args.prediction_loss_only = (lambda prediction: {}), False
@@ -92,7 +97,8 @@ def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") 
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
         lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         torch.save({"losses": losses, "lora": lora, "bytes_sent": traffic.total(), "eval_losses": evals,
-                    "eval_bytes": eval_bytes, "refusal": refusal}, os.path.join(out, "result.pt"))
+                    "eval_bytes": eval_bytes, "refusal": refusal,
+                    "gathered": gathered}, os.path.join(out, "result.pt"))
     # Tear down while every rank is alive: DDP's reducer holds a gloo group, and a group destroyed at interpreter
     # exit, after its peers left, was seen to abort the process (CI) or hang it in the group's destructor.
     trainer.accelerator.free_memory()  # accelerate's references to the DDP-wrapped model

@@ -55,3 +55,5 @@ def test_trainer_with_split_sequences_matches_one_process(one_process, tmp_path,
     assert split["eval_losses"] == pytest.approx(alone["eval_losses"], rel=1e-5)
     assert split["refusal"].startswith("evaluation with sequence parallelism computes the loss only")
     assert alone["refusal"] is None
+    groups = processes // 2
+    assert split["gathered"] == [value for group in range(groups) for value in (group, 5)]  # each group's first rank
