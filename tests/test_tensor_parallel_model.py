@@ -91,7 +91,7 @@ def _on_rank(path, rank, world):
     import torch.distributed as dist
 
     from patches.tensor_parallel import (clip_grad_norm_, gather_param, gathered_state_dict,
-                                         reduce_tensor_parallel_gradients, tensor_parallel)
+                                         reduce_tensor_parallel_gradients, slice_like, tensor_parallel)
 
     out = {}
     for case, (bits, bpt) in CASES.items():
@@ -100,6 +100,9 @@ def _on_rank(path, rank, world):
         if bpt:
             _patch(model)
         state = gathered_state_dict(model)  # before training: the one-process factors, whole
+        # a whole tensor sliced again as a checkpoint's optimizer state is on resume: this rank's slice
+        resliced = all(torch.equal(slice_like(state[n], p, rank, world), p.detach())
+                       for n, p in model.named_parameters() if hasattr(p, "tp_dim"))
         loss = model(**_batch()).loss
         loss.backward()
         reduce_tensor_parallel_gradients(model)
@@ -114,7 +117,8 @@ def _on_rank(path, rank, world):
         with torch.no_grad():  # greedy decoding with the KV cache: each rank caches its own heads
             decoded = model.generate(input_ids=_batch()["input_ids"][:, :9], max_new_tokens=6, do_sample=False)
         out[case] = {"decoded": decoded, "loss": loss.item(), "grads": grads, "norm": float(norm), "clipped": clipped, "state": state,
-                     "weights": _weights(model), "sliced": len(handle.modules)}
+                     "weights": _weights(model), "sliced": len(handle.modules),
+                     "resliced": resliced}
     return out
 
 
@@ -171,6 +175,7 @@ def test_two_ranks_match_one_process(results, case):
     for rank, got in enumerate(per_rank):
         got = got[case]
         assert got["sliced"] == 2 * targets
+        assert got["resliced"]
         assert torch.equal(got["decoded"], decoded)
         # this rank's heads (rows 64r..64r+63 of q: 2 of the 4 heads) and the matching columns of o, bit for bit
         if "phi3" in case:  # fused [q (128 rows); k (64); v (64)]: 2 of the 4 query heads, 1 of the 2 KV heads
