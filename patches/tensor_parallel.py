@@ -14,6 +14,9 @@ features, so whole heads / MLP channels) and sees the whole input, copied to it 
 all-reduce of the input gradient backward). A row-parallel layer keeps the matching input columns; its partial outputs
 are summed by `_ReduceFromGroup` (all-reduce forward, identity backward), and a bias is added once, after the sum.
 "replicated_with_grad_allreduce" modules (per-head norms) stay whole; their gradients are summed over the group.
+Fused column-parallel layers (FUSED, per model type: Phi-3's qkv_proj = [q; k; v], gate_up_proj = [gate; up]) keep
+this rank's slice of each part, in order, so the module's own split of its output by the local head counts yields
+this rank's heads; their attention module reads the local head counts (module attributes, and a config view).
 
 LoRA (peft) on a sliced layer: under a column-parallel base lora_B is sliced by rows and lora_A is whole on every rank;
 under a row-parallel base lora_A is sliced by columns and lora_B is whole. The whole factor's gradient on each rank is
