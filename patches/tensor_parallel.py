@@ -258,17 +258,17 @@ def _slice_4bit(layer, style: str, rank: int, size: int, parts=None) -> None:
 def _slice_base(layer, style: str, rank: int, size: int, parts=None):
     """Slice a Linear / Linear4bit in place (a fused colwise layer: each of its `parts`); returns the bias a
     row-parallel layer adds after the sum (else None)."""
+    if not (_is_4bit(layer) or isinstance(layer, torch.nn.Linear)):
+        raise ValueError(f"tensor parallelism slices Linear / bitsandbytes Linear4bit layers, not "
+                         f"{type(layer).__name__}")
     ranges = _row_ranges(layer.out_features, parts, rank, size) if style == "colwise" else None
     if _is_4bit(layer):
         _slice_4bit(layer, style, rank, size, parts)
-    elif isinstance(layer, torch.nn.Linear):
+    else:
         weight = _take_rows(layer.weight.data, ranges) if style == "colwise" else \
             layer.weight.data.chunk(size, dim=1)[rank].contiguous()
         layer.weight = torch.nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
         layer.out_features, layer.in_features = weight.shape
-    else:
-        raise ValueError(f"tensor parallelism slices Linear / bitsandbytes Linear4bit layers, not "
-                         f"{type(layer).__name__}")
     bias = layer.bias
     if bias is None:
         return None
