@@ -14,6 +14,9 @@ features, so whole heads / MLP channels) and sees the whole input, copied to it 
 all-reduce of the input gradient backward). A row-parallel layer keeps the matching input columns; its partial outputs
 are summed by `_ReduceFromGroup` (all-reduce forward, identity backward), and a bias is added once, after the sum.
 "replicated_with_grad_allreduce" modules (per-head norms) stay whole; their gradients are summed over the group.
+Fused column-parallel layers (FUSED, per model type: Phi-3's qkv_proj = [q; k; v], gate_up_proj = [gate; up]) keep
+this rank's slice of each part, in order, so the module's own split of its output by the local head counts yields
+this rank's heads; their attention module reads the local head counts (module attributes, and a config view).
 
 LoRA (peft) on a sliced layer: under a column-parallel base lora_B is sliced by rows and lora_A is whole on every rank;
 under a row-parallel base lora_A is sliced by columns and lora_B is whole. The whole factor's gradient on each rank is
@@ -39,6 +42,26 @@ STYLES = ("colwise", "rowwise")
 # each rank's own heads): summed over the group like the whole LoRA factors.
 REPLICATED = ("replicated_with_grad_allreduce",)
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+# Fused column-parallel layers, per model type: {module name: its parts, in row order}. Each rank keeps its slice of
+# every part ([q slice; k slice; v slice]), so the module's own split of its output, by the local head counts /
+# channels, yields this rank's heads. These families' plans name the pairs "colwise_gather_output" /
+# "rowwise_split_input" (transformers gathers the fused output, then splits it again): read as colwise / rowwise,
+# with neither (each rank's attention and MLP run on its own heads / channels).
+FUSED = {"phi3": {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}}
+FUSED_STYLES = {"colwise_gather_output": "colwise", "rowwise_split_input": "rowwise"}
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+PART_ROWS = {  # a part's rows (output features of the whole layer), from the config
+    "q": lambda c: c.num_attention_heads * _head_dim(c),
+    "k": lambda c: c.num_key_value_heads * _head_dim(c),
+    "v": lambda c: c.num_key_value_heads * _head_dim(c),
+    "gate": lambda c: c.intermediate_size,
+    "up": lambda c: c.intermediate_size,
+}
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -103,6 +126,8 @@ def tp_plan(config) -> dict[str, str]:
     if not plan:
         raise ValueError(f"{name} models have no tensor-parallel plan (config.base_model_tp_plan): tensor "
                          "parallelism cannot tell their column- from their row-parallel layers")
+    if name in FUSED:
+        plan = {key: FUSED_STYLES.get(style, style) for key, style in plan.items()}
     other = sorted({style for style in plan.values() if style not in STYLES + REPLICATED})
     if other:
         raise ValueError(f"{name}'s tensor-parallel plan uses {', '.join(other)} (fused projections or experts); "
@@ -122,6 +147,28 @@ def plan_modules(model, plan: dict[str, str]) -> list[tuple[str, torch.nn.Module
     if not found:
         raise ValueError("no module of the model matches its tensor-parallel plan")
     return found
+
+
+def fused_parts(config, module_name: str) -> list[int] | None:
+    """The rows of each part of a fused column-parallel layer (FUSED), or None for a plain layer."""
+    parts = FUSED.get(getattr(config, "model_type", None), {}).get(module_name.rsplit(".", 1)[-1])
+    return None if parts is None else [PART_ROWS[part](config) for part in parts]
+
+
+def _row_ranges(out_features: int, parts: list[int] | None, rank: int, size: int) -> list[tuple[int, int]]:
+    """This rank's (start, stop) rows of a column-parallel weight: its slice of each part, in order."""
+    parts = parts or [out_features]
+    if sum(parts) != out_features or any(p % size for p in parts):
+        raise ValueError(f"{size} tensor-parallel ranks cannot split parts {parts} of {out_features} rows")
+    ranges, offset = [], 0
+    for rows in parts:
+        ranges.append((offset + rank * rows // size, offset + (rank + 1) * rows // size))
+        offset += rows
+    return ranges
+
+
+def _take_rows(tensor: torch.Tensor, ranges) -> torch.Tensor:
+    return torch.cat([tensor[start:stop] for start, stop in ranges]).contiguous()
 
 
 def _base(module):
@@ -150,13 +197,17 @@ def check_tensor_parallel(config, size: int, *, bits: int = 16) -> None:
         if style in REPLICATED:
             continue
         out_features, in_features = module.weight.shape
+        parts = fused_parts(config, module_name) if style == "colwise" else None
+        if parts is not None and (sum(parts) != out_features or any(p % size for p in parts)):
+            raise ValueError(f"--tensor_parallel {size} must divide each part of {module_name} "
+                             f"({dict(zip(FUSED[name][module_name.rsplit('.', 1)[-1]], parts))} rows)")
         if (out_features if style == "colwise" else in_features) % size:
             raise ValueError(f"--tensor_parallel {size} must divide {module_name}'s "
                              f"{'output' if style == 'colwise' else 'input'} features ({out_features, in_features})")
         if bits == 4:
             block = 64
-            cut = (out_features // size * in_features) % block if style == "colwise" else \
-                (in_features // size) % block
+            cut = any(rows // size * in_features % block for rows in parts or [out_features]) \
+                if style == "colwise" else (in_features // size) % block
             if cut:
                 raise ValueError(f"--tensor_parallel {size} would cut the 4-bit quantisation blocks ({block} weights) "
                                  f"of {module_name} (weight {out_features}x{in_features}, {style}); use fewer "
@@ -165,7 +216,7 @@ def check_tensor_parallel(config, size: int, *, bits: int = 16) -> None:
 
 # ---------------------------------------------------------------- slicing
 
-def _slice_4bit(layer, style: str, rank: int, size: int) -> None:
+def _slice_4bit(layer, style: str, rank: int, size: int, parts=None) -> None:
     """Replace a Linear4bit's Params4bit by this rank's slice (packed bytes and absmax cut at block boundaries)."""
     import bitsandbytes as bnb
     from bitsandbytes.functional import QuantState, dequantize_blockwise
@@ -181,13 +232,12 @@ def _slice_4bit(layer, style: str, rank: int, size: int) -> None:
     absmax = absmax.float()
     packed = weight.data.reshape(-1)
     if style == "colwise":
-        rows = out_features // size
-        if (rows * in_features) % block:
-            raise ValueError(f"a {rows}-row slice of a {out_features}x{in_features} 4-bit weight cuts its blocks")
-        n = rows * in_features
-        packed = packed[rank * n // 2:(rank + 1) * n // 2]
-        absmax = absmax[rank * n // block:(rank + 1) * n // block]
-        shape = torch.Size([rows, in_features])
+        ranges = _row_ranges(out_features, parts, rank, size)
+        if any(start * in_features % block or stop * in_features % block for start, stop in ranges):
+            raise ValueError(f"a {ranges} row slice of a {out_features}x{in_features} 4-bit weight cuts its blocks")
+        packed = torch.cat([packed[a * in_features // 2:b * in_features // 2] for a, b in ranges])
+        absmax = torch.cat([absmax[a * in_features // block:b * in_features // block] for a, b in ranges])
+        shape = torch.Size([sum(b - a for a, b in ranges), in_features])
     else:
         cols = in_features // size
         if cols % block or in_features % block:
@@ -205,29 +255,31 @@ def _slice_4bit(layer, style: str, rank: int, size: int) -> None:
     layer.out_features, layer.in_features = shape
 
 
-def _slice_base(layer, style: str, rank: int, size: int):
-    """Slice a Linear / Linear4bit in place; returns the bias a row-parallel layer adds after the sum (else None)."""
-    dim = 0 if style == "colwise" else 1
-    if _is_4bit(layer):
-        _slice_4bit(layer, style, rank, size)
-    elif isinstance(layer, torch.nn.Linear):
-        weight = layer.weight.data.chunk(size, dim=dim)[rank].contiguous()
-        layer.weight = torch.nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
-        layer.out_features, layer.in_features = weight.shape
-    else:
+def _slice_base(layer, style: str, rank: int, size: int, parts=None):
+    """Slice a Linear / Linear4bit in place (a fused colwise layer: each of its `parts`); returns the bias a
+    row-parallel layer adds after the sum (else None)."""
+    if not (_is_4bit(layer) or isinstance(layer, torch.nn.Linear)):
         raise ValueError(f"tensor parallelism slices Linear / bitsandbytes Linear4bit layers, not "
                          f"{type(layer).__name__}")
+    ranges = _row_ranges(layer.out_features, parts, rank, size) if style == "colwise" else None
+    if _is_4bit(layer):
+        _slice_4bit(layer, style, rank, size, parts)
+    else:
+        weight = _take_rows(layer.weight.data, ranges) if style == "colwise" else \
+            layer.weight.data.chunk(size, dim=1)[rank].contiguous()
+        layer.weight = torch.nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
+        layer.out_features, layer.in_features = weight.shape
     bias = layer.bias
     if bias is None:
         return None
     if style == "colwise":
-        layer.bias = torch.nn.Parameter(bias.data.chunk(size)[rank].contiguous(), requires_grad=bias.requires_grad)
+        layer.bias = torch.nn.Parameter(_take_rows(bias.data, ranges), requires_grad=bias.requires_grad)
         return None
     layer.bias = None
     return bias
 
 
-def _slice_lora(module, style: str, rank: int, size: int, group) -> list[torch.nn.Parameter]:
+def _slice_lora(module, style: str, rank: int, size: int, group, parts=None) -> list[torch.nn.Parameter]:
     """Slice a peft LoRA wrapper's factors (B by rows under colwise, A by columns under rowwise); returns the factors
     left whole, whose gradients are partial on each rank."""
     if any(getattr(module, "use_dora", {}).values()):
@@ -237,9 +289,12 @@ def _slice_lora(module, style: str, rank: int, size: int, group) -> list[torch.n
         a, b = module.lora_A[adapter], module.lora_B[adapter]
         cut, keep = (b, a) if style == "colwise" else (a, b)
         dim = 0 if style == "colwise" else 1
-        piece = cut.weight.data.chunk(size, dim=dim)[rank].contiguous()
+        piece = _take_rows(cut.weight.data, _row_ranges(cut.weight.shape[0], parts, rank, size)) \
+            if style == "colwise" else cut.weight.data.chunk(size, dim=dim)[rank].contiguous()
         cut.weight = torch.nn.Parameter(piece, requires_grad=cut.weight.requires_grad)
         cut.weight.tp_dim, cut.weight.tp_group = dim, group
+        if parts is not None:
+            cut.weight.tp_parts = parts
         cut.out_features, cut.in_features = piece.shape
         if cut.bias is not None or keep.bias is not None:
             raise ValueError("tensor parallelism does not support LoRA factors with a bias")
@@ -268,7 +323,7 @@ def tensor_parallel(model, group=None) -> TensorParallelHandle:
     config = getattr(model, "config", None)
     handle = TensorParallelHandle(group=group, size=size)
     modules = plan_modules(model, tp_plan(config))
-    attention = set()
+    attention, fused = set(), set()
     for name, module, style in modules:
         if style in REPLICATED:
             for param in module.parameters():
@@ -279,11 +334,16 @@ def tensor_parallel(model, group=None) -> TensorParallelHandle:
         if (base.out_features if dim == 0 else base.in_features) % size:
             raise ValueError(f"{size} tensor-parallel ranks cannot split {name} ({base.out_features}x"
                              f"{base.in_features}, {style})")
-        bias = _slice_base(base, style, rank, size)
+        parts = fused_parts(config, name) if style == "colwise" else None
+        bias = _slice_base(base, style, rank, size, parts)
         if base.weight.requires_grad:
             base.weight.tp_dim, base.weight.tp_group = dim, group
+            if parts is not None:
+                base.weight.tp_parts = parts
         if isinstance(module, LoraLayer):
-            _slice_lora(module, style, rank, size, group)
+            _slice_lora(module, style, rank, size, group, parts)
+        if parts is not None:
+            fused.add(name.rsplit(".", 1)[0])
         if style == "colwise":
             handle.hooks.append(module.register_forward_pre_hook(
                 lambda m, args, g=group: (_CopyToGroup.apply(args[0], g), *args[1:])))
@@ -298,7 +358,29 @@ def tensor_parallel(model, group=None) -> TensorParallelHandle:
                 value = getattr(module, attr, None)
                 if isinstance(value, int) and not isinstance(value, bool):
                     setattr(module, attr, value // size)
+        if name in fused and hasattr(module, "config"):  # phi3's attention splits qkv by config.num_attention_heads
+            module.config = _LocalHeads(model.get_base_model() if hasattr(model, "get_base_model") else model,
+                                        {attr: getattr(config, attr) // size for attr in HEAD_COUNTS
+                                         if isinstance(getattr(config, attr, None), int)})
     return handle
+
+
+class _LocalHeads:
+    """A module's config as its forward reads it: the model's config of the moment (followed, so that a later
+    patch's view of it, e.g. apply_bpt_patch's, is what it reads), with this rank's head counts."""
+
+    def __init__(self, owner, counts: dict[str, int]):
+        object.__setattr__(self, "_tp_owner", owner)
+        object.__setattr__(self, "_tp_counts", counts)
+
+    def __getattr__(self, name):
+        counts = object.__getattribute__(self, "_tp_counts")
+        if name in counts:
+            return counts[name]
+        return getattr(object.__getattribute__(self, "_tp_owner").config, name)
+
+    def __setattr__(self, name, value):
+        setattr(object.__getattribute__(self, "_tp_owner").config, name, value)
 
 
 # ---------------------------------------------------------------- training: gradients, norm, state
@@ -341,11 +423,23 @@ def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
     return norm
 
 
-def gather_param(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
-    """The whole tensor from every rank's slice along `dim` (a collective)."""
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+def gather_param(tensor: torch.Tensor, dim: int, group=None, parts: list[int] | None = None) -> torch.Tensor:
+    """The whole tensor from every rank's slice along `dim` (a collective); a fused layer's rows (`parts`, the
+    param's tp_parts): each part's slices in rank order, part after part."""
+    size = dist.get_world_size(group)
+    pieces = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    if parts is None:
+        return torch.cat(pieces, dim=dim)
+    split = [piece.split([rows // size for rows in parts]) for piece in pieces]
+    return torch.cat([split[r][i] for i in range(len(parts)) for r in range(size)])
+
+
+def slice_like(whole: torch.Tensor, param, rank: int, size: int) -> torch.Tensor:
+    """This rank's slice of `whole` (a tensor of the sliced `param`'s unsliced shape), as tensor_parallel sliced it."""
+    if param.tp_dim == 0:
+        return _take_rows(whole, _row_ranges(whole.shape[0], getattr(param, "tp_parts", None), rank, size))
+    return whole.chunk(size, dim=param.tp_dim)[rank].contiguous()
 
 
 def gathered_state_dict(model, group=None, *, keep: bool = True) -> dict[str, torch.Tensor]:
@@ -354,7 +448,8 @@ def gathered_state_dict(model, group=None, *, keep: bool = True) -> dict[str, to
     state = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            whole = gather_param(p.detach(), p.tp_dim, group or p.tp_group) if hasattr(p, "tp_dim") else p.detach()
+            whole = gather_param(p.detach(), p.tp_dim, group or p.tp_group, getattr(p, "tp_parts", None)) \
+                if hasattr(p, "tp_dim") else p.detach()
             if keep:
                 state[name] = whole.cpu()
     return state

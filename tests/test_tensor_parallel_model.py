@@ -15,9 +15,13 @@ from gloo_processes import run_on_ranks
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # fused [q; k; v] and [gate; up]
 CASES = {"bits16": (16, False), "bits16_bpt": (16, True), "bits4": (4, False), "bits4_bpt": (4, True),
          "bits16_bias": (16, False),  # a llama with biases on every linear: sliced (colwise), added once (rowwise)
-         "bits16_qwen3": (16, False), "bits4_qwen3": (4, True)}  # per-head q/k norms, whole, trained here
+         "bits16_qwen3": (16, False), "bits4_qwen3": (4, True),  # per-head q/k norms, whole, trained here
+         # Phi-3: fused qkv_proj / gate_up_proj, each rank keeping its slice of every part
+         "bits16_phi3": (16, False), "bits16_bpt_phi3": (16, True), "bits4_phi3": (4, False),
+         "bits4_bpt_phi3": (4, True)}
 # Of each gradient's largest magnitude. The 16-bit cases run in float64, where only the summation order differs; the
 # 4-bit ones compute in float32 (bitsandbytes dequantises to at most float32), where the same reordering of the
 # row-parallel sums measures ~2.4e-6; their sliced weights are checked bit for bit instead.
@@ -45,11 +49,12 @@ def _model(path: str, bits: int, bpt: bool, case: str = ""):
     kwargs = {"dtype": torch.float64 if bits == 16 else torch.float32}
     if bits == 4:
         kwargs["quantization_config"] = quantization_config(4, torch.float32)
-    variant = case.rsplit("_", 1)[-1] if case.endswith(("_bias", "_qwen3")) else ""
+    variant = case.rsplit("_", 1)[-1] if case.endswith(("_bias", "_qwen3", "_phi3")) else ""
     model = AutoModelForCausalLM.from_pretrained(path + (f"_{variant}" if variant else ""), **kwargs)
     keep_4bit_layout(model)
     torch.manual_seed(1)  # init_lora_weights=False: B is random too, so every factor gets a gradient
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
+    targets = PHI3_TARGETS if variant == "phi3" else TARGETS
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
                                              init_lora_weights=False))
     for name, param in model.named_parameters():  # Qwen3's per-head norms: whole on every rank, partial gradients
         if name.endswith(("q_norm.weight", "k_norm.weight")):
@@ -70,12 +75,13 @@ def _batch():
 
 
 def _weights(model) -> dict:
-    """The (dequantised) base weights of layer 0's q_proj (column-parallel) and o_proj (row-parallel)."""
+    """The (dequantised) base weights of layer 0's q_proj or fused qkv_proj (column-parallel) and o_proj
+    (row-parallel)."""
     from bitsandbytes.functional import dequantize_4bit
 
     attention = model.base_model.model.model.layers[0].self_attn
     out = {}
-    for name in ("q_proj", "o_proj"):
+    for name in ("qkv_proj" if hasattr(attention, "qkv_proj") else "q_proj", "o_proj"):
         weight = getattr(attention, name).base_layer.weight
         out[name] = dequantize_4bit(weight.data, weight.quant_state) if hasattr(weight, "quant_state") else weight.data
     return out
@@ -85,7 +91,7 @@ def _on_rank(path, rank, world):
     import torch.distributed as dist
 
     from patches.tensor_parallel import (clip_grad_norm_, gather_param, gathered_state_dict,
-                                         reduce_tensor_parallel_gradients, tensor_parallel)
+                                         reduce_tensor_parallel_gradients, slice_like, tensor_parallel)
 
     out = {}
     for case, (bits, bpt) in CASES.items():
@@ -94,19 +100,25 @@ def _on_rank(path, rank, world):
         if bpt:
             _patch(model)
         state = gathered_state_dict(model)  # before training: the one-process factors, whole
+        # a whole tensor sliced again as a checkpoint's optimizer state is on resume: this rank's slice
+        resliced = all(torch.equal(slice_like(state[n], p, rank, world), p.detach())
+                       for n, p in model.named_parameters() if hasattr(p, "tp_dim"))
         loss = model(**_batch()).loss
         loss.backward()
         reduce_tensor_parallel_gradients(model)
-        grads = {n: gather_param(p.grad, p.tp_dim, None) if hasattr(p, "tp_dim") else p.grad.clone()
-                 for n, p in model.named_parameters() if p.requires_grad}
+        def gathered():
+            return {n: gather_param(p.grad, p.tp_dim, None, getattr(p, "tp_parts", None)) if hasattr(p, "tp_dim")
+                    else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+        grads = gathered()
         norm = clip_grad_norm_(model.parameters(), 1e-3)
-        clipped = {n: gather_param(p.grad, p.tp_dim, None) if hasattr(p, "tp_dim") else p.grad.clone()
-                   for n, p in model.named_parameters() if p.requires_grad}
+        clipped = gathered()
         model.eval()
         with torch.no_grad():  # greedy decoding with the KV cache: each rank caches its own heads
             decoded = model.generate(input_ids=_batch()["input_ids"][:, :9], max_new_tokens=6, do_sample=False)
         out[case] = {"decoded": decoded, "loss": loss.item(), "grads": grads, "norm": float(norm), "clipped": clipped, "state": state,
-                     "weights": _weights(model), "sliced": len(handle.modules)}
+                     "weights": _weights(model), "sliced": len(handle.modules),
+                     "resliced": resliced}
     return out
 
 
@@ -133,6 +145,10 @@ def results(tmp_path_factory):
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.normal_(1.0, 0.1)
     qwen3.save_pretrained(str(path) + "_qwen3")
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    Phi3ForCausalLM(Phi3Config(**_config_kwargs(), pad_token_id=0)).save_pretrained(str(path) + "_phi3")
     per_rank = run_on_ranks(functools.partial(_on_rank, str(path)), 2, str(tmp_path_factory.mktemp("tp_ranks")))
     return str(path), per_rank
 
@@ -150,17 +166,24 @@ def test_two_ranks_match_one_process(results, case):
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     ref_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1e-3))
     ref_clipped = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    assert len(ref) == 2 * 7 * 2 + (4 if "qwen3" in case else 0)  # 2 layers x 7 targets x (A, B) (+ q/k norms)
+    targets = 4 if "phi3" in case else 7
+    assert len(ref) == 2 * targets * 2 + (4 if "qwen3" in case else 0)  # 2 layers x targets x (A, B) (+ q/k norms)
     weights = _weights(model)
     model.eval()
     with torch.no_grad():
         decoded = model.generate(input_ids=_batch()["input_ids"][:, :9], max_new_tokens=6, do_sample=False)
     for rank, got in enumerate(per_rank):
         got = got[case]
-        assert got["sliced"] == 14
+        assert got["sliced"] == 2 * targets
+        assert got["resliced"]
         assert torch.equal(got["decoded"], decoded)
         # this rank's heads (rows 64r..64r+63 of q: 2 of the 4 heads) and the matching columns of o, bit for bit
-        assert torch.equal(got["weights"]["q_proj"], weights["q_proj"][64 * rank:64 * (rank + 1)])
+        if "phi3" in case:  # fused [q (128 rows); k (64); v (64)]: 2 of the 4 query heads, 1 of the 2 KV heads
+            rows = [*range(64 * rank, 64 * (rank + 1)), *range(128 + 32 * rank, 128 + 32 * (rank + 1)),
+                    *range(192 + 32 * rank, 192 + 32 * (rank + 1))]
+            assert torch.equal(got["weights"]["qkv_proj"], weights["qkv_proj"][rows])
+        else:
+            assert torch.equal(got["weights"]["q_proj"], weights["q_proj"][64 * rank:64 * (rank + 1)])
         assert torch.equal(got["weights"]["o_proj"], weights["o_proj"][:, 64 * rank:64 * (rank + 1)])
         assert got["loss"] == pytest.approx(loss.item(), rel=LOSS_TOL[bits])
         assert got["norm"] == pytest.approx(ref_norm, rel=1e-6)
@@ -179,10 +202,19 @@ def test_families_without_a_plain_plan_are_refused():
 
     from patches.tensor_parallel import check_tensor_parallel
 
-    config = Phi3Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2)
+    config = _config()  # a fused style in a family without a FUSED row
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.self_attn.q_proj": "colwise_gather_output"}
     with pytest.raises(ValueError, match="colwise_gather_output.*only plain colwise / rowwise layers"):
         check_tensor_parallel(config, 2)
+    phi3 = Phi3Config(**_config_kwargs(), pad_token_id=0)
+    check_tensor_parallel(phi3, 2, bits=4)  # fused qkv_proj / gate_up_proj: sliced per part
+    with pytest.raises(ValueError, match=r"must divide the phi3 model's num_key_value_heads \(2\)"):
+        check_tensor_parallel(phi3, 4)  # 4 query heads but 2 KV heads
+    # k's slice (1 of 2 KV heads of 16: 16 rows x 66) cuts a block, though a plain half (96 rows x 66) would not
+    phi3 = Phi3Config(**{**_config_kwargs(), "hidden_size": 66, "num_attention_heads": 8}, head_dim=16,
+                      pad_token_id=0)
+    with pytest.raises(ValueError, match=r"would cut the 4-bit quantisation blocks \(64 weights\) of .*qkv_proj"):
+        check_tensor_parallel(phi3, 2, bits=4)
     config = _config()
     config.base_model_tp_plan = None
     with pytest.raises(ValueError, match="no tensor-parallel plan"):

@@ -177,7 +177,8 @@ def _gather_tensor_parallel_state(model, state: dict) -> dict:
             entry = state["state"][name]
             for key in sorted(entry):
                 if torch.is_tensor(entry[key]) and entry[key].shape == param.shape:
-                    entry[key] = gather_param(entry[key], param.tp_dim, param.tp_group)
+                    entry[key] = gather_param(entry[key], param.tp_dim, param.tp_group,
+                                              getattr(param, "tp_parts", None))
     for entry in state["state"].values():  # on the host, as the full state dict's cpu_offload gives it
         for key in entry:
             if torch.is_tensor(entry[key]):
@@ -214,6 +215,8 @@ def _slice_tensor_parallel_state(model, state: dict) -> None:
     sliced (the inverse of _gather_tensor_parallel_state)."""
     import torch.distributed as dist
 
+    from patches.tensor_parallel import slice_like
+
     for name, param in model.named_parameters():
         if hasattr(param, "tp_dim"):
             size, rank = dist.get_world_size(param.tp_group), dist.get_rank(param.tp_group)
@@ -222,7 +225,7 @@ def _slice_tensor_parallel_state(model, state: dict) -> None:
             entry = state["state"][name]
             for key in entry:
                 if torch.is_tensor(entry[key]) and list(entry[key].shape) == whole:
-                    entry[key] = entry[key].chunk(size, dim=param.tp_dim)[rank].contiguous()
+                    entry[key] = slice_like(entry[key], param, rank, size)
 
 
 def load_weights(path: str, model) -> None:

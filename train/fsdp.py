@@ -143,7 +143,7 @@ def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
                 with GatheredParameters([param]):
                     full = param.data.detach().cpu().clone()
             elif hasattr(param, "tp_dim"):
-                full = gather_param(param.detach(), param.tp_dim, param.tp_group)
+                full = gather_param(param.detach(), param.tp_dim, param.tp_group, getattr(param, "tp_parts", None))
             else:
                 full = param.full_tensor() if isinstance(param, DTensor) else param
             if keep:
