@@ -49,6 +49,17 @@ def save_tiny_bloom(directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
+def save_prequantized(directory) -> None:
+    """The tiny model of `directory.parent / "model"` saved already quantised to 4 bits in the default uint8 storage
+    (as hub '-bnb-4bit' models)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        directory.parent / "model", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    quantized.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(directory.parent / "model").save_pretrained(directory)
+
+
 def base_argv(tiny, out, *extra) -> list[str]:
     return ["--model_name_or_path", str(tiny / "model"), "--dataset", str(tiny / "data.jsonl"),
             "--output_dir", str(out), "--max_seq_len", "64", "--max_steps", "4", "--lora_r", "4",

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from cli_helpers import ENV, REPO, base_argv, losses
+from cli_helpers import ENV, REPO, base_argv, losses, save_prequantized
 from train.args import parse_args
 from train.qlora import main, run
 
@@ -101,16 +101,6 @@ def test_resume_under_sequence_parallelism_matches_one_process(tiny, tmp_path):
     assert losses(out) == pytest.approx(losses(one), rel=1e-5)
 
 
-def _save_prequantized(directory) -> None:
-    """The tiny model saved already quantised to 4 bits in the default uint8 storage (as hub '-bnb-4bit' models)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
-    quantized = AutoModelForCausalLM.from_pretrained(
-        directory.parent / "model", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
-    quantized.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(directory.parent / "model").save_pretrained(directory)
-
-
 @pytest.mark.parametrize("extra,message", [
     (("--bits", 8), "error: --fsdp shards 4-bit (--bits 4) or unquantised (--bits 16) bases; bitsandbytes int8 "
                     "weights cannot be sharded: choose --bits 4"),
@@ -125,7 +115,7 @@ def test_what_fsdp_cannot_shard_is_refused_before_loading(tiny, tmp_path, capsys
     if extra == "prequantized":
         model = tiny / "model-bnb-4bit"
         if not model.exists():
-            _save_prequantized(model)
+            save_prequantized(model)
         argv[argv.index("--model_name_or_path") + 1] = str(model)
         extra = ()
     capsys.readouterr()

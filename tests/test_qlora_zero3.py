@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from cli_helpers import ENV, REPO, base_argv, metrics  # noqa: E402
+from cli_helpers import ENV, REPO, base_argv, metrics, save_prequantized  # noqa: E402
 from train.args import parse_args  # noqa: E402
 from train.qlora import main, run  # noqa: E402
 
@@ -183,16 +183,6 @@ def test_sequence_parallel_groups_inside_the_zero3_world_match_one_process(tiny,
     _assert_same_steps(out, one)
 
 
-def _save_prequantized(directory) -> None:
-    """The tiny model saved already quantised to 4 bits in the default uint8 storage (as hub '-bnb-4bit' models)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
-    quantized = AutoModelForCausalLM.from_pretrained(
-        directory.parent / "model", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
-    quantized.save_pretrained(directory)
-    AutoTokenizer.from_pretrained(directory.parent / "model").save_pretrained(directory)
-
-
 @pytest.mark.parametrize("extra,env,message", [
     (("--fsdp",), {}, "error: a DeepSpeed ZeRO-3 launch partitions the model with DeepSpeed; --fsdp would shard it "
                       "again with FSDP2: drop --fsdp (or launch with configs/accelerate/cpu_ddp.yaml or "
@@ -231,7 +221,7 @@ def test_what_zero3_cannot_run_is_refused_before_loading(tiny, tmp_path, capsys,
     if extra == "prequantized":
         model = tiny / "model-bnb-4bit"
         if not model.exists():
-            _save_prequantized(model)
+            save_prequantized(model)
         argv[argv.index("--model_name_or_path") + 1] = str(model)
         extra = ()
     capsys.readouterr()

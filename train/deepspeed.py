@@ -108,19 +108,17 @@ def check_zero3(args, config, zero3: Zero3 | None) -> Zero3 | None:
         print("note: DeepSpeed ZeRO-3 with one process has nothing to partition over; training unsharded (launch "
               "several processes with accelerate launch --num_processes N to partition)", file=sys.stderr, flush=True)
         return None
-    if args.bits == 8:
-        raise UserError("ZeRO-3 partitions 4-bit (--bits 4) or unquantised (--bits 16) bases; bitsandbytes int8 "
-                        "weights cannot be partitioned: choose --bits 4")
-    if args.optim == "paged_adamw_8bit":
-        raise UserError("--optim paged_adamw_8bit keeps bitsandbytes states that ZeRO-3 cannot partition; use --optim "
-                        "adamw under DeepSpeed")
-    from train.fsdp import saved_4bit_storage
+    from train.fsdp import refuse_unshardable
 
-    storage = saved_4bit_storage(config)
-    if storage is not None and not storage.startswith(("float", "bfloat")):
-        raise UserError(f"{args.model_name_or_path} is saved already quantised to 4 bits in {storage} storage, which "
-                        "ZeRO-3 cannot partition; use the unquantised base (this recipe quantises it in a float "
-                        "storage for ZeRO-3) or launch without DeepSpeed")
+    refuse_unshardable(
+        args, config,
+        int8="ZeRO-3 partitions 4-bit (--bits 4) or unquantised (--bits 16) bases; bitsandbytes int8 weights cannot "
+             "be partitioned: choose --bits 4",
+        paged_optim="--optim paged_adamw_8bit keeps bitsandbytes states that ZeRO-3 cannot partition; use --optim "
+                    "adamw under DeepSpeed",
+        storage="{model} is saved already quantised to 4 bits in {storage} storage, which ZeRO-3 cannot partition; "
+                "use the unquantised base (this recipe quantises it in a float storage for ZeRO-3) or launch without "
+                "DeepSpeed")
     return zero3
 
 

@@ -52,17 +52,28 @@ def check_fsdp(args, config) -> None:
               "processes with accelerate launch --num_processes N to shard)", file=sys.stderr, flush=True)
         args.fsdp = False
         return
+    refuse_unshardable(
+        args, config,
+        int8="--fsdp shards 4-bit (--bits 4) or unquantised (--bits 16) bases; bitsandbytes int8 weights cannot be "
+             "sharded: choose --bits 4",
+        paged_optim="--optim paged_adamw_8bit keeps bitsandbytes states that FSDP cannot shard; use --optim adamw "
+                    "with --fsdp",
+        storage="{model} is saved already quantised to 4 bits in {storage} storage, which FSDP cannot shard "
+                "(training would run at loss 0 with NaN gradients); use the unquantised base (this recipe quantises "
+                "it for FSDP) or drop --fsdp")
+
+
+def refuse_unshardable(args, config, *, int8: str, paged_optim: str, storage: str) -> None:
+    """UserError with the caller's message (FSDP2 shards, ZeRO-3 partitions) when the run's weights or optimizer
+    state cannot be split over processes: int8 weights, bitsandbytes' paged optimizer states, or a base saved
+    already quantised in an integer storage (`storage` is formatted with the model and the storage dtype)."""
     if args.bits == 8:
-        raise UserError("--fsdp shards 4-bit (--bits 4) or unquantised (--bits 16) bases; bitsandbytes int8 weights "
-                        "cannot be sharded: choose --bits 4")
+        raise UserError(int8)
     if args.optim == "paged_adamw_8bit":
-        raise UserError("--optim paged_adamw_8bit keeps bitsandbytes states that FSDP cannot shard; use --optim adamw "
-                        "with --fsdp")
-    storage = saved_4bit_storage(config)
-    if storage is not None and not storage.startswith(("float", "bfloat")):
-        raise UserError(f"{args.model_name_or_path} is saved already quantised to 4 bits in {storage} storage, "
-                        "which FSDP cannot shard (training would run at loss 0 with NaN gradients); use the "
-                        "unquantised base (this recipe quantises it for FSDP) or drop --fsdp")
+        raise UserError(paged_optim)
+    saved = saved_4bit_storage(config)
+    if saved is not None and not saved.startswith(("float", "bfloat")):
+        raise UserError(storage.format(model=args.model_name_or_path, storage=saved))
 
 
 def saved_4bit_storage(config) -> str | None:
