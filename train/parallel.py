@@ -58,9 +58,13 @@ def check_layout(args, world: int | None = None) -> None:
     if not args.bpt:
         raise UserError("--sequence_parallel needs the blockwise patch (drop --no_bpt)")
 
+    _must_divide(f"--sequence_parallel {n}", n, world)
+
+
+def _must_divide(what: str, n: int, world: int) -> None:
     if world % n:
-        raise UserError(f"--sequence_parallel {n} must divide the number of processes ({world}); launch a multiple "
-                        f"of {n} processes with accelerate launch --num_processes")
+        raise UserError(f"{what} must divide the number of processes ({world}); launch a multiple of {n} processes "
+                        "with accelerate launch --num_processes")
 
 
 def check_tensor_parallel_layout(args, world: int) -> None:
@@ -72,13 +76,10 @@ def check_tensor_parallel_layout(args, world: int) -> None:
         raise UserError("--tensor_parallel does not compose with --fsdp yet; drop one of them")
     if args.bits == 8:
         raise UserError("--tensor_parallel slices 16-bit and 4-bit bases, not 8-bit ones: use --bits 4 or 16")
-    if world % n:
-        raise UserError(f"--tensor_parallel {n} must divide the number of processes ({world}); launch a multiple "
-                        f"of {n} processes with accelerate launch --num_processes")
+    _must_divide(f"--tensor_parallel {n}", n, world)
     sp = args.sequence_parallel
-    if sp > 1 and world % (n * sp):
-        raise UserError(f"--tensor_parallel {n} x --sequence_parallel {sp} must divide the number of processes "
-                        f"({world}); launch a multiple of {n * sp} processes with accelerate launch --num_processes")
+    if sp > 1:
+        _must_divide(f"--tensor_parallel {n} x --sequence_parallel {sp}", n * sp, world)
 
 
 def check_tensor_parallel_model(args, config) -> None:
