@@ -121,7 +121,7 @@ class SequenceParallelContext:
 
 def sequence_parallel_group(size: int):
     """This rank's group when the world splits into groups of `size` consecutive ranks (g*size .. g*size+size-1),
-    the layout patches.trainer uses, and train.qlora's without --tensor_parallel (with it: train.parallel.mesh_ranks).
+    the layout patches.trainer uses, and train.qlora's without --tensor_parallel (with it: patches.tensor_parallel.mesh_groups).
     Every rank must call it: every rank creates every group."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if size < 1 or world % size:

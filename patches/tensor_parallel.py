@@ -93,23 +93,47 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+def mesh_ranks(world: int, sp: int, tp: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """The (dp, sp, tp) layout's groups, as rank lists in the order every rank creates them: (sequence-parallel
+    groups, tensor-parallel groups, same-slices groups). rank = (dp_index * sp + sp_index) * tp + tp_index: a
+    tensor-parallel group is tp consecutive ranks (they hold the same tokens), a sequence-parallel group the sp ranks
+    of one data group with the same tp_index (strided by tp), a same-slices group every rank with that tp_index."""
+    if sp < 1 or tp < 1 or world % (sp * tp):
+        raise ValueError(f"sp {sp} x tp {tp} must divide the {world} processes")
+    dp = world // (sp * tp)
+    sp_groups = [[(d * sp + s) * tp + t for s in range(sp)] for d in range(dp) for t in range(tp)]
+    tp_groups = [list(range(first, first + tp)) for first in range(0, world, tp)]
+    slice_groups = [list(range(t, world, tp)) for t in range(tp)]  # the same tp_index across sp and dp
+    return sp_groups, tp_groups, slice_groups
+
+
+def mesh_groups(sp: int, tp: int):
+    """This rank's (sequence-parallel group, tensor-parallel group, same-slices group) in the (dp, sp, tp) layout of
+    `mesh_ranks`; None for an axis of size 1 (the same-slices group too when tp is 1). Every rank must call it
+    (every rank creates every group, the sp groups first)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sp_groups, tp_groups, slice_groups = mesh_ranks(world, sp, tp)
+
+    def mine(rank_lists):
+        found = None
+        for ranks in rank_lists:
+            created = dist.new_group(ranks)
+            if rank in ranks:
+                found = created
+        return found
+
+    sp_group = mine(sp_groups) if sp > 1 else None
+    tp_group, slice_group = (mine(tp_groups), mine(slice_groups)) if tp > 1 else (None, None)
+    return sp_group, tp_group, slice_group
+
+
 def tensor_parallel_group(size: int):
     """This rank's tensor-parallel group: the world split into groups of `size` consecutive ranks (tp innermost), and
     its data-parallel group (the ranks holding the same slices: rank % size equal). Every rank must call it (every
-    rank creates every group). Returns (tp_group, dp_group)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if size < 1 or world % size:
-        raise ValueError(f"tensor-parallel groups of {size} must divide the {world} processes")
-    tp_group = dp_group = None
-    for first in range(0, world, size):
-        group = dist.new_group(list(range(first, first + size)))
-        if first <= rank < first + size:
-            tp_group = group
-    for offset in range(size):
-        group = dist.new_group(list(range(offset, world, size)))
-        if rank % size == offset:
-            dp_group = group
-    return tp_group, dp_group
+    rank creates every group). Returns (tp_group, dp_group); with --sequence_parallel as well: `mesh_groups`."""
+    if size < 2:
+        raise ValueError(f"tensor-parallel groups need at least 2 ranks, got {size}")
+    return mesh_groups(1, size)[1:]
 
 
 # ---------------------------------------------------------------- the plan: which modules, which way

@@ -72,6 +72,40 @@ def test_sharded_loss_is_the_one_process_loss(report):
         assert max(losses) == pytest.approx(min(losses), rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def tp_report(tmp_path_factory):
+    """The same sweep (its padded length) with every layer split over 2 processes too: TP 2 alone (2 processes) and
+    TP 2 x SP 2 (4)."""
+    output = tmp_path_factory.mktemp("bench_tp") / "tiny_tp.json"
+    main(["--model", "tiny", "--lora", "--sequence_parallel", *map(str, WORLDS), "--tensor_parallel", "2",
+          "--sp_mode", *MODES, "--seq_lens", str(SEQ_LENS[0]), "--steps", "1", "--torch_threads", "1",
+          "--device", "cpu", "--timeout", "240", "--output", str(output), *SMALL_BLOCKS],
+         runner=lambda spec: {"ok": False, "error": "skipped (tests/test_bench.py checks the probe)"})
+    return json.loads(output.read_text())
+
+
+def test_tensor_parallel_groups_train_the_same_model(report, tp_report):
+    """TP 2 x SP N runs N x 2 processes (per-rank memory, each rank's weights included); the seeded model and tokens
+    give the loss of one process, and the sequence-parallel bytes are the formula's with each rank's own heads
+    (the tiny preset's 4 query / 2 KV heads: 2 / 1 per rank)."""
+    assert tp_report["environment"]["tensor_parallel"] == [2]
+    whole = {(r["mode"], r["seq_len"]): r["loss"] for r in report["runs"] if r["world"] == 1}
+    assert {(r["mode"], r["world"], r["seq_len"]) for r in tp_report["runs"]} == \
+        {(m, w, SEQ_LENS[0]) for m in MODES for w in WORLDS}
+    for run in tp_report["runs"]:
+        assert run["ok"] and run["tensor_parallel"] == 2, run
+        assert len(run["step_mib_per_rank"]) == len(run["peak_mib_per_rank"]) == 2 * run["world"]
+        assert run["loss"] == pytest.approx(whole[run["mode"], run["seq_len"]], rel=1e-5)
+        for sent, theory in zip(run["sent_bytes_per_rank"], run["theory_bytes_per_rank"]):
+            assert sent == pytest.approx(theory, rel=0.10) if run["world"] > 1 else sent == theory == 0, run
+        untouched = next(r for r in report["runs"] if (r["mode"], r["world"], r["seq_len"]) ==
+                         (run["mode"], run["world"], run["seq_len"]))
+        if run["world"] > 1:  # half the heads per rank: half the K / V bytes of the same ring / all-to-all
+            assert run["theory_bytes"] < untouched["theory_bytes"]
+    assert {row["tp"] for row in tp_report["summary"]["rows"]} == {2}
+    assert "TP" in format_sp_report(tp_report["summary"]).splitlines()[0]
+
+
 def test_theory_formula_by_hand():
     # ring, W=2, N=8 (c=2, n=4, no padding), B=1, Hkv=1, D=2, fp32, 1 layer, no checkpointing:
     # K/V shard 1*1*4*2*2 elements = 64 B; forward 1 hop, backward 1 hop + fp32 dK/dV 2 hops of 64 B
@@ -88,10 +122,15 @@ def test_theory_formula_by_hand():
 
 @pytest.mark.parametrize("argv, message", [
     (["--sequence_parallel", "0", "2"], "--sequence_parallel sizes must be >= 1"),
-    (["--sequence_parallel", "3", "--sp_mode", "ulysses"], "every --sequence_parallel size must divide 4"),
+    (["--sequence_parallel", "3", "--sp_mode", "ulysses"], "every --sequence_parallel size must divide them; got (N, T) = [(3, 1)]"),
     (["--sequence_parallel", "2", "--find_max", "--max_len", "512"], "--find_max does not combine"),
     (["--sequence_parallel", "2", "--sides", "stock"], "runs the patched model only"),
     (["--sequence_parallel", "2", "--sp_mode", "bogus"], "invalid choice"),
+    (["--tensor_parallel", "2", "--lora"], "--tensor_parallel needs --sequence_parallel"),
+    (["--sequence_parallel", "1", "--tensor_parallel", "2"], "add --lora"),
+    (["--sequence_parallel", "1", "--tensor_parallel", "3", "--lora"], "--tensor_parallel 3:"),
+    (["--sequence_parallel", "4", "--tensor_parallel", "2", "--sp_mode", "ulysses", "--lora"],
+     "got (N, T) = [(4, 2)]"),
 ])
 def test_bad_input_fails_before_any_work(argv, message, capsys):
     def runner(*_):

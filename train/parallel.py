@@ -100,18 +100,6 @@ def check_tensor_parallel_model(args, config) -> None:
                         f"divide by {sp}; use --sp_mode ring or fewer tensor-parallel ranks")
 
 
-def mesh_ranks(world: int, sp: int, tp: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """The (dp, sp, tp) layout's groups, as rank lists in the order every rank creates them: (sequence-parallel
-    groups, tensor-parallel groups, same-slices groups). rank = (dp_index * sp + sp_index) * tp + tp_index."""
-    if sp < 1 or tp < 1 or world % (sp * tp):
-        raise ValueError(f"sp {sp} x tp {tp} must divide the {world} processes")
-    dp = world // (sp * tp)
-    sp_groups = [[(d * sp + s) * tp + t for s in range(sp)] for d in range(dp) for t in range(tp)]
-    tp_groups = [list(range(first, first + tp)) for first in range(0, world, tp)]
-    slice_groups = [list(range(t, world, tp)) for t in range(tp)]  # the same tp_index across sp and dp
-    return sp_groups, tp_groups, slice_groups
-
-
 def make_layout(accelerator, args) -> Layout:
     """This rank's place in the run; creates the sequence- and tensor-parallel process groups (every rank creates
     every group, as torch.distributed requires: the sp groups, then the tp groups and the same-slices groups)."""
@@ -120,20 +108,8 @@ def make_layout(accelerator, args) -> Layout:
     check_layout(args, world)
     group = tp_group = tp_data_group = None
     if n > 1 or tp > 1:
-        import torch.distributed as dist
+        from patches.tensor_parallel import mesh_groups
 
-        sp_groups, tp_groups, slice_groups = mesh_ranks(world, n, tp)
-
-        def mine(rank_lists):
-            found = None
-            for ranks in rank_lists:
-                created = dist.new_group(ranks)
-                if rank in ranks:
-                    found = created
-            return found
-
-        group = mine(sp_groups) if n > 1 else None
-        if tp > 1:
-            tp_group, tp_data_group = mine(tp_groups), mine(slice_groups)
+        group, tp_group, tp_data_group = mesh_groups(n, tp)
     return Layout(world=world, rank=rank, sequence_parallel=n, mode=args.sp_mode, group=group,
                   tensor_parallel=tp, tp_group=tp_group, tp_data_group=tp_data_group)

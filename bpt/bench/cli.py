@@ -4,12 +4,14 @@
     python -m bpt.bench --model llama-3-8b --dtype bf16 --seq_lens 8192 16384 --find_max --max_len 524288
     python -m bpt.bench --model path/to/config.json --sides patched --lora --output bench_results/x.json
     python -m bpt.bench --sequence_parallel 1 2 4 --sp_mode ring ulysses --lora --seq_lens 8192 32768
+    python -m bpt.bench --sequence_parallel 1 2 --tensor_parallel 1 2 --lora --seq_lens 16384
     python -m bpt.bench --simulate h100-80gb --model llama-3.1-8b --bits 4 --lora --layers 2 --find_max
 
 - `build_parser`, `validate`: the flags, and every input checked before any work (errors exit with status 2)
 - `run_spec`, `sweep`: one worker spec per (side, seq_len), all lengths, then --find_max doubling
 - `simulated_sweep` (bpt.bench.simulated_sweep): with --simulate, rows of simulated steps and --find_max by bisection
-- `sp_sweep`: with --sequence_parallel, one process group per size N running every (length, mode)
+- `sp_sweep`: with --sequence_parallel, one process group per size N (x --tensor_parallel T) running every
+  (length, mode)
 - `main`: probe, sweep, summary, output files; or, with `--worker`, the worker process itself
 """
 from __future__ import annotations
@@ -110,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence-parallel mode: per N, N processes (gloo on CPU, NCCL on CUDA: one GPU per rank) "
                         "each hold a shard of every sequence; patched side only (default: off)")
     p.add_argument("--sp_mode", nargs="+", choices=SP_MODES, default=["ring"], help="with --sequence_parallel")
+    p.add_argument("--tensor_parallel", type=int, nargs="+", default=[1], metavar="T",
+                   help="with --sequence_parallel: per T, every size N also runs on N x T processes, each layer split "
+                        "T ways (patches.tensor_parallel, train.qlora's layout: tp innermost)")
     p.add_argument("--threads", dest="torch_threads", type=int, action=_DeprecatedAlias, new_flag="--torch_threads")
     p.add_argument("--compile", dest="bpt_compile", choices=("auto", "on", "off"), action=_DeprecatedAlias,
                    new_flag="--bpt_compile / --no_bpt_compile", mapping={"auto": None, "on": True, "off": False})
@@ -177,26 +182,44 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
             p.error(f"the patched side needs patches.apply_bpt_patch ({error}); run with --sides stock")
     if args.sequence_parallel is not None:
         validate_sp(p, args)
+    elif args.tensor_parallel != [1]:
+        p.error("--tensor_parallel needs --sequence_parallel (1 for tensor parallelism alone)")
     longest = max(args.seq_lens + ([args.max_len] if args.find_max else []))
     try:
         config = resolve_model_config(args.model, longest)
     except ValueError as error:
         p.error(str(error))
-    if args.sequence_parallel is not None and "ulysses" in args.sp_mode:
-        from transformers import AutoConfig
-
-        heads = AutoConfig.for_model(**config).num_attention_heads
-        bad = [n for n in args.sequence_parallel if heads % n]
-        if bad:
-            p.error(f"--sp_mode ulysses splits the {heads} query heads of --model {args.model} over N ranks, so "
-                    f"every --sequence_parallel size must divide {heads}; got {bad} (use --sp_mode ring for them)")
+    if args.sequence_parallel is not None:
+        validate_sp_model(p, args, config)
     return config
+
+
+def validate_sp_model(p: argparse.ArgumentParser, args: argparse.Namespace, config: dict) -> None:
+    """What the model's heads and MLP allow of --sp_mode ulysses and --tensor_parallel (errors exit with status 2)."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.for_model(**config)
+    for tp in (t for t in args.tensor_parallel if t > 1):
+        from patches.tensor_parallel import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(model_config, tp)
+        except ValueError as error:
+            p.error(f"--tensor_parallel {tp}: {error}")
+    if "ulysses" in args.sp_mode:
+        heads = model_config.num_attention_heads
+        bad = [(n, t) for n in args.sequence_parallel for t in args.tensor_parallel if (heads // t) % n]
+        if bad:
+            p.error(f"--sp_mode ulysses splits each rank's query heads (the {heads} of --model {args.model} / T) over "
+                    f"N ranks, so every --sequence_parallel size must divide them; got (N, T) = {bad} (use --sp_mode "
+                    "ring for them)")
 
 
 def validate_simulate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The --simulate flags (errors exit with status 2)."""
     if args.sequence_parallel is not None:
         p.error("--simulate does not combine with --sequence_parallel yet; simulate one rank's length instead")
+
     if args.layers is not None and args.layers <= 0:
         p.error(f"--layers must be positive, got {args.layers}")
     if not 0.0 <= args.lora_dropout < 1.0:
@@ -223,9 +246,16 @@ def validate_sp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if "patched" not in args.sides:
         p.error("--sequence_parallel runs the patched model only (sequence parallelism is part of the patch); "
                 "drop --sides stock")
-    if args.device == "cuda" and max(args.sequence_parallel) > torch.cuda.device_count():
-        p.error(f"--sequence_parallel {max(args.sequence_parallel)} on CUDA needs one GPU per rank; "
-                f"{torch.cuda.device_count()} visible")
+    bad = [t for t in args.tensor_parallel if t < 1]
+    if bad:
+        p.error(f"--tensor_parallel sizes must be >= 1 (processes per layer), got {bad}")
+    args.tensor_parallel = sorted(set(args.tensor_parallel))
+    if args.tensor_parallel != [1] and not args.lora:
+        p.error("--tensor_parallel splits LoRA models as train.qlora does: add --lora")
+    most = max(args.sequence_parallel) * max(args.tensor_parallel)
+    if args.device == "cuda" and most > torch.cuda.device_count():
+        p.error(f"--sequence_parallel {max(args.sequence_parallel)} x --tensor_parallel {max(args.tensor_parallel)} "
+                f"on CUDA needs one GPU per rank; {torch.cuda.device_count()} visible")
 
 
 def run_spec(args: argparse.Namespace, model_config: dict, side: str, seq_len: int) -> dict:
@@ -282,38 +312,42 @@ def sweep(args: argparse.Namespace, model_config: dict, runner: Callable[[dict],
 
 def sp_sweep(args: argparse.Namespace, model_config: dict, group_runner: Callable[[dict, int], dict],
              after_group: Callable[[list], None] = lambda runs: None) -> list:
-    """Per size N one group of N processes running every (length, mode); -> one run per (mode, N, length).
+    """Per size N (and T of --tensor_parallel) one group of N x T processes running every (length, mode); -> one run
+    per (mode, T, N, length).
     after_group(runs so far) is called after each group (main writes the output files there: a long sweep that
     is killed keeps the groups it finished)."""
     spec = run_spec(args, model_config, "patched", max(args.seq_lens)) | {
         "task": "sp_train", "seq_lens": args.seq_lens, "sp_modes": args.sp_mode,
         "comm_timeout": args.timeout or 1800}  # a rank waiting on a lost peer errors out after this
     runs = []
-    for world in args.sequence_parallel:
-        print(f"[sp {world}] {world} process(es), lengths {args.seq_lens}, modes {args.sp_mode} ...", flush=True)
-        result = group_runner(spec, world)
-        per_rank = [r["runs"] for r in result["ranks"]]  # [rank][run]; partial when the group failed
-        done = min((len(r) for r in per_rank), default=0)
-        for i in range(done):
-            run = {"world": world, **combine([runs_of_rank[i] for runs_of_rank in per_rank], args.batch_size)}
-            runs.append(run)
-            print(f"[sp {world} {run['mode']:7s} {run['seq_len']:>7d}] {run['step_mib']:9.1f} MiB/step (max rank)  "
-                  f"{run['median_s']:8.3f} s/step  sent {run['sent_mib']:9.1f} MiB (theory "
-                  f"{run['theory_mib']:.1f})  loss {run['loss']:.4f}", flush=True)
-        todo = [(n, m) for n in args.seq_lens for m in args.sp_mode][done:]
-        for seq_len, mode in todo:  # not reached: the group failed first
-            runs.append({"world": world, "mode": mode, "seq_len": seq_len, "ok": False, "error": result["error"]})
-            print(f"[sp {world} {mode:7s} {seq_len:>7d}] FAILED: {result['error']}", flush=True)
-        after_group(runs)
+    for tp in args.tensor_parallel:
+        for sp in args.sequence_parallel:
+            name, world = f"sp {sp}" + (f" x tp {tp}" if tp > 1 else ""), sp * tp
+            print(f"[{name}] {world} process(es), lengths {args.seq_lens}, modes {args.sp_mode} ...", flush=True)
+            result = group_runner(spec | {"tensor_parallel": tp}, world)
+            per_rank = [r["runs"] for r in result["ranks"]]  # [rank][run]; partial when the group failed
+            done = min((len(r) for r in per_rank), default=0)
+            for i in range(done):
+                run = {"world": sp, **combine([runs_of_rank[i] for runs_of_rank in per_rank], args.batch_size)}
+                runs.append(run)
+                print(f"[{name} {run['mode']:7s} {run['seq_len']:>7d}] {run['step_mib']:9.1f} MiB/step (max rank)  "
+                      f"{run['median_s']:8.3f} s/step  sent {run['sent_mib']:9.1f} MiB (theory "
+                      f"{run['theory_mib']:.1f})  loss {run['loss']:.4f}", flush=True)
+            todo = [(n, m) for n in args.seq_lens for m in args.sp_mode][done:]
+            for seq_len, mode in todo:  # not reached: the group failed first
+                runs.append({"world": sp, "tensor_parallel": tp, "mode": mode, "seq_len": seq_len, "ok": False,
+                             "error": result["error"]})
+                print(f"[{name} {mode:7s} {seq_len:>7d}] FAILED: {result['error']}", flush=True)
+            after_group(runs)
     return runs
 
 
 def sp_report(args: argparse.Namespace, model_config: dict, probe: dict, runs: list) -> dict:
     """The JSON report of the sequence-parallel mode (the runs so far)."""
     env = environment(args, model_config, runs, probe) | {
-        "sequence_parallel": args.sequence_parallel, "sp_mode": args.sp_mode,
+        "sequence_parallel": args.sequence_parallel, "sp_mode": args.sp_mode, "tensor_parallel": args.tensor_parallel,
         "backend": "nccl" if args.device == "cuda" else "gloo"}
-    summary = summarize_sp(runs, args.seq_lens, args.sequence_parallel, args.sp_mode)
+    summary = summarize_sp(runs, args.seq_lens, args.sequence_parallel, args.sp_mode, args.tensor_parallel)
     return {"environment": env, "summary": summary, "find_max": {}, "runs": runs}
 
 

@@ -122,8 +122,9 @@ def model_from_config(config, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
 
 
-def build_model(spec: dict):
-    """Stock model from the spec's config (seeded, so both sides get the same weights), ready to train."""
+def build_model(spec: dict, tp_group=None):
+    """Stock model from the spec's config (seeded, so both sides get the same weights), ready to train; with
+    `tp_group` its layers are sliced over that tensor-parallel group once LoRA is on (patches.tensor_parallel)."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(**spec["model_config"])
@@ -145,6 +146,10 @@ def build_model(spec: dict):
         lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=0.0,
                           target_modules="all-linear", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)  # freezes the base: only adapters train, as in QLoRA
+    if tp_group is not None:
+        from patches.tensor_parallel import tensor_parallel
+
+        tensor_parallel(model, tp_group)
     handle = None
     if spec["side"] != "stock":  # same order as train/model.py: LoRA first, then the patch
         from patches import apply_bpt_patch

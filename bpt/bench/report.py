@@ -135,27 +135,31 @@ SP_GROWTH_TARGETS = {2: 0.55, 4: 0.30}
 SP_TRAFFIC_TOLERANCE = 0.10  # bytes counted at the communication calls vs the algorithm's formula
 
 
-def summarize_sp(runs: list[dict], seq_lens: list[int], worlds: list[int], modes: list[str]) -> dict:
-    """Rows per (mode, N, length), memory growth per (mode, N) and its ratio to N = 1, and the design goals."""
-    by_key = {(r["mode"], r["world"], r["seq_len"]): r for r in runs}
+def summarize_sp(runs: list[dict], seq_lens: list[int], worlds: list[int], modes: list[str],
+                 tps: list[int] = (1,)) -> dict:
+    """Rows per (mode, T, N, length), memory growth per (mode, N) and its ratio to N = 1 (tensor parallel T = 1 runs),
+    and the design goals."""
+    by_key = {(r["mode"], r.get("tensor_parallel", 1), r["world"], r["seq_len"]): r for r in runs}
     rows = []
     for mode in modes:
-        for world in worlds:
-            for seq_len in seq_lens:
-                run = by_key.get((mode, world, seq_len), {"ok": False, "error": "not run"})
-                ok = run["ok"]
-                get = lambda key: run[key] if ok else None  # noqa: E731
-                rows.append({"mode": mode, "world": world, "seq_len": seq_len, "step_mib": get("step_mib"),
-                             "step_s": get("median_s"), "tok_s": get("tokens_per_s"), "sent_mib": get("sent_mib"),
-                             "theory_mib": get("theory_mib"), "sent_over_theory": get("sent_over_theory"),
-                             "grad_allreduce_mib": None if not ok else run["grad_allreduce_payload_bytes"] / 2**20,
-                             "status": "ok" if ok else "failed: " + run["error"]})
+        for tp in tps:
+            for world in worlds:
+                for seq_len in seq_lens:
+                    run = by_key.get((mode, tp, world, seq_len), {"ok": False, "error": "not run"})
+                    ok = run["ok"]
+                    get = lambda key: run.get(key) if ok else None  # noqa: E731
+                    rows.append({"mode": mode, "tp": tp, "world": world, "seq_len": seq_len,
+                                 "step_mib": get("step_mib"), "peak_mib": get("peak_mib"), "step_s": get("median_s"), "tok_s": get("tokens_per_s"),
+                                 "sent_mib": get("sent_mib"), "theory_mib": get("theory_mib"),
+                                 "sent_over_theory": get("sent_over_theory"),
+                                 "grad_allreduce_mib": None if not ok else run["grad_allreduce_payload_bytes"] / 2**20,
+                                 "status": "ok" if ok else "failed: " + run["error"]})
     small, large = min(seq_lens), max(seq_lens)
     growth = {}
     for mode in modes:
         per = {}
         for world in worlds:
-            lo, hi = (by_key.get((mode, world, n), {}) for n in (small, large))
+            lo, hi = (by_key.get((mode, 1, world, n), {}) for n in (small, large))
             if lo.get("ok") and hi.get("ok") and large > small:
                 per[world] = (hi["step_mib"] - lo["step_mib"]) / ((large - small) / 1024)  # MiB per 1K tokens
         growth[mode] = {"mib_per_1k_tokens": per,
@@ -174,19 +178,20 @@ def summarize_sp(runs: list[dict], seq_lens: list[int], worlds: list[int], modes
 
 
 def format_sp_report(summary: dict) -> str:
-    cols = [("mode", "mode", "s"), ("N", "world", "d"), ("seq_len", "seq_len", "d"),
-            ("MiB/rank", "step_mib", ".1f"), ("s/step", "step_s", ".2f"), ("tok/s", "tok_s", ".0f"),
+    cols = [("mode", "mode", "s"), ("TP", "tp", "d"), ("N", "world", "d"), ("seq_len", "seq_len", "d"),
+            ("MiB/rank", "step_mib", ".1f"), ("peak MiB", "peak_mib", ".1f"), ("s/step", "step_s", ".2f"), ("tok/s", "tok_s", ".0f"),
             ("sent MiB", "sent_mib", ".1f"), ("theory MiB", "theory_mib", ".1f"),
             ("sent/theory", "sent_over_theory", ".4f")]
     widths = [max(len(title), 8) for title, _, _ in cols]
     lines = ["  ".join(title.rjust(w) for (title, _, _), w in zip(cols, widths))]
     for row in summary["rows"]:
         lines.append("  ".join(_fmt(row[key], spec).rjust(w) for (_, key, spec), w in zip(cols, widths)))
-    lines.append("MiB/rank: peak step memory, max over ranks; sent: bytes per rank per step through the ring P2P / "
-                 "Ulysses all-to-all (gradient all-reduce excluded)")
+    lines.append("MiB/rank: what a step adds at its peak, max over ranks; peak MiB: a rank's whole peak (weights, "
+                 "libraries), max over ranks; sent: bytes per rank per step through the ring P2P / "
+                 "Ulysses all-to-all (gradient all-reduce and tensor-parallel all-reduces excluded); TP x N processes")
     for row in summary["rows"]:
         if row["status"] != "ok":
-            lines.append(f"  {row['mode']} N={row['world']} @ {row['seq_len']}: {row['status']}")
+            lines.append(f"  {row['mode']} TP={row['tp']} N={row['world']} @ {row['seq_len']}: {row['status']}")
     g = summary["growth"]
     if g["from_seq_len"] == g["to_seq_len"]:
         lines.append("memory growth: needs at least two lengths")

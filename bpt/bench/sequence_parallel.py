@@ -1,10 +1,12 @@
-"""Sequence-parallel mode of the benchmark: one sequence split over N processes, per rank memory, time and traffic.
+"""Sequence-parallel mode of the benchmark: one sequence split over N processes (and, with --tensor_parallel T, every
+layer over T: N x T processes in train.qlora's layout), per rank memory, time and traffic.
 
 - `run_sp_group`: the rank side (worker task "sp_train"): join the group, build the seeded patched model, and for
   every (length, mode) of the spec one warm-up step and the measured steps of a user's loop (`shard_batch`,
   `sequence_parallel`, `reduce_gradients`, as in patches/sequence_parallel.py); memory and time by
   `measure.measure_step`, bytes sent by `bpt.sequence_parallel.traffic`
-- `theory_bytes`: the bytes the ring / Ulysses algorithm sends per rank per step (derivation in its docstring)
+- `theory_bytes`: the bytes the ring / Ulysses algorithm sends per rank per step (derivation in its docstring; under
+  tensor parallelism with each rank's own heads)
 - `combine`: the ranks' results of one (mode, N, length) -> one run (max over ranks, the group's step time)
 
 One process group per N runs every (length, mode), shortest length first: starting N processes (torch,
@@ -83,7 +85,10 @@ def theory_bytes(mode: str, *, world: int, rank: int, seq_len: int, batch: int, 
 
 def run_sp_group(spec: dict) -> dict:
     """Rank side of one group: every (seq_len, mode) of the spec -> {"ok", "runs": [per-run rank result]}."""
+    from patches.tensor_parallel import mesh_groups
+
     rank, world, device = spec["rank"], spec["world"], spec["device"]
+    tp = spec.get("tensor_parallel", 1)
     if device == "cuda":
         torch.cuda.set_device(rank)  # one GPU per rank
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{spec['port']}",
@@ -91,10 +96,11 @@ def run_sp_group(spec: dict) -> dict:
                             timeout=datetime.timedelta(seconds=spec["comm_timeout"]))  # a lost peer: error, not hang
     try:
         runs = []
-        model, _ = build_model({**spec, "side": "patched"})
+        groups = mesh_groups(world // tp, tp)  # (sp group, tp group, same-slices group), as train.qlora's layout
+        model, _ = build_model({**spec, "side": "patched"}, tp_group=groups[1])
         for seq_len in spec["seq_lens"]:
             for mode in spec["sp_modes"]:
-                runs.append(_run_one(spec, model, mode, seq_len))
+                runs.append(_run_one(spec, model, mode, seq_len, groups))
                 with open(spec["result_path"] + ".partial", "w") as f:
                     json.dump({"ok": True, "runs": runs}, f)
         dist.barrier()
@@ -103,21 +109,35 @@ def run_sp_group(spec: dict) -> dict:
         dist.destroy_process_group()
 
 
-def _run_one(spec: dict, model, mode: str, seq_len: int) -> dict:
+def _run_one(spec: dict, model, mode: str, seq_len: int, groups: tuple) -> dict:
     """One warm-up and spec["steps"] measured steps of one (mode, seq_len) on this rank."""
     from patches import group_loss, reduce_gradients, sequence_parallel_attention as sequence_parallel, shard_batch
+    from patches.tensor_parallel import reduce_tensor_parallel_gradients
+
+    sp_group, tp_group, same_slices = groups
+    tp = spec.get("tensor_parallel", 1)
 
     device, batch_size = spec["device"], spec["batch_size"]
     generator = torch.Generator().manual_seed(spec["seed"])  # the same global batch on every rank
     ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=generator).to(device)
     batch = {"input_ids": ids, "labels": ids}  # [B, N], what a data loader hands every rank
 
+    split = sp_group is not None or tp == 1  # tensor parallel alone: every rank of the group reads the whole rows
+
     def train_step():
-        local, context = shard_batch(batch, None, mode)  # this rank's shard [B, ~N/W]
+        if not split:
+            loss = model(**batch).loss
+            loss.backward()
+            reduce_tensor_parallel_gradients(model, tp_group)
+            return loss.detach()
+        local, context = shard_batch(batch, sp_group, mode)  # this rank's shard [B, ~N/W]
         with sequence_parallel(model, context):
             loss = model(**local).loss
             loss.backward()  # inside: the checkpointed layers recompute their attention here
-        reduce_gradients(model)
+        if tp > 1:  # the whole LoRA factors' shares over tp, then every gradient over the sp ranks with my slices
+            reduce_tensor_parallel_gradients(model, tp_group, same_slices)
+        else:
+            reduce_gradients(model, sp_group)
         return loss.detach()
 
     def measured_step():
@@ -132,10 +152,14 @@ def _run_one(spec: dict, model, mode: str, seq_len: int) -> dict:
     worst = max(steps, key=lambda s: s["added_mib"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     elem = torch.finfo({"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]).bits // 8
-    theory = theory_bytes(mode, world=spec["world"], rank=spec["rank"], seq_len=seq_len, batch=batch_size,
-                          elem=elem, checkpointing=spec["gradient_checkpointing"], **attention_shape(model.config))
+    shape = attention_shape(model.config)  # the whole model's; a tensor-parallel rank holds 1/tp of the heads
+    shape.update(q_heads=shape["q_heads"] // tp, kv_heads=shape["kv_heads"] // tp)
+    sp_world = spec["world"] // tp
+    theory = theory_bytes(mode, world=sp_world, rank=dist.get_rank(sp_group) if sp_world > 1 else 0,
+                          seq_len=seq_len, batch=batch_size, elem=elem, checkpointing=spec["gradient_checkpointing"],
+                          **shape)
     return {
-        "mode": mode, "seq_len": seq_len, "rank": spec["rank"],
+        "mode": mode, "seq_len": seq_len, "rank": spec["rank"], "tensor_parallel": tp,
         "step_mib": worst["added_mib"], "step_mib_each": [s["added_mib"] for s in steps],
         "before_mib": worst["before_mib"], "peak_mib": worst["peak_mib"],
         "step_s_each": [s["seconds"] for s in steps], "warmup_s": warmup["seconds"],
@@ -143,7 +167,7 @@ def _run_one(spec: dict, model, mode: str, seq_len: int) -> dict:
         "sent_bytes": max(s["sent"] for s in steps), "theory_bytes": theory,
         # the gradient all-reduce (not counted in sent_bytes): its payload, what each rank contributes
         "grad_allreduce_payload_bytes": sum(p.numel() * p.element_size() for p in trainable),
-        "loss": float(group_loss(steps[0]["out"])),
+        "loss": float(group_loss(steps[0]["out"], sp_group) if split else steps[0]["out"]),
         "trainable_params": sum(p.numel() for p in trainable),
         "threads": torch.get_num_threads(),
     }
@@ -159,9 +183,10 @@ def combine(rank_runs: list[dict], batch_size: int) -> dict:
               for r in rank_runs]  # measured / theory per rank
     first = rank_runs[0]
     return {
-        "ok": True, "mode": first["mode"], "seq_len": first["seq_len"],
+        "ok": True, "mode": first["mode"], "seq_len": first["seq_len"], "tensor_parallel": first["tensor_parallel"],
         "step_mib": max(r["step_mib"] for r in rank_runs),
         "step_mib_per_rank": [r["step_mib"] for r in rank_runs],
+        "peak_mib": max(r["peak_mib"] for r in rank_runs),  # a rank's whole footprint: its weights (1/T of them) too
         "peak_mib_per_rank": [r["peak_mib"] for r in rank_runs],
         "median_s": median_s, "step_s_each": step_s, "tokens_per_s": batch_size * first["seq_len"] / median_s,
         "warmup_s": max(r["warmup_s"] for r in rank_runs),
