@@ -38,6 +38,12 @@ def test_tensorboard_events_hold_the_training_loss_and_the_eval(tiny, tmp_path):
     evals = json.loads((out / "eval.json").read_text())
     assert [e.value for e in accumulator.Scalars("eval/passkey_accuracy")] == pytest.approx(
         [evals["before"]["accuracy"], evals["after"]["accuracy"]])
+    if (out / "accuracy_passkey.png").exists():  # the heatmap (before | after) as an image, where matplotlib is
+        from PIL import Image
+
+        [heatmap] = accumulator.Images("eval/accuracy_passkey")
+        assert heatmap.step == 3
+        assert (heatmap.width, heatmap.height) == Image.open(out / "accuracy_passkey.png").size
 
 
 def _wandb_records(path: Path):
@@ -114,3 +120,7 @@ def test_wandb_offline_run_holds_the_training_loss_and_the_eval(tiny, tmp_path, 
     assert [row["eval/passkey_accuracy"] for row in history if "eval/passkey_accuracy" in row] == pytest.approx(
         [json.loads((out / "eval.json").read_text())[when]["accuracy"] for when in ("before", "after")])
     assert names[0] == ("train.qlora", "run") and finished
+    if (out / "accuracy_passkey.png").exists():  # the heatmap as a wandb image, where matplotlib is
+        [image] = [row for row in history if "eval/accuracy_passkey/_type" in row]  # flattened: key/field
+        assert image["eval/accuracy_passkey/_type"] == "images/separated" and image["_step"] == 3
+        assert image["eval/accuracy_passkey/count"] == 1 and image["eval/accuracy_passkey/format"] == "png"

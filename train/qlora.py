@@ -206,6 +206,25 @@ def init_trackers(accelerator, args: Args) -> None:
     accelerator.init_trackers(project, config=config, init_kwargs=init_kwargs)
 
 
+def log_heatmaps(accelerator, pictures: list[str], step: int) -> None:
+    """The accuracy heatmaps among a run's pictures (accuracy_<task>.png, before / after) to the trackers that take
+    images, as eval/accuracy_<task> (the loss curve is there already, as scalars)."""
+    import numpy as np
+    from PIL import Image  # matplotlib's own dependency: there are pictures only where matplotlib is
+
+    for png in pictures:
+        name = os.path.splitext(os.path.basename(png))[0]
+        if not name.startswith("accuracy_"):
+            continue
+        with Image.open(png) as picture:
+            pixels = np.asarray(picture.convert("RGB"))
+        for tracker in accelerator.trackers:
+            if tracker.name == "tensorboard":
+                tracker.log_images({f"eval/{name}": pixels[None]}, step=step, dataformats="NHWC")
+            elif tracker.name == "wandb":
+                tracker.log_images({f"eval/{name}": [pixels]}, step=step)
+
+
 # ---------------------------------------------------------------- data
 
 def load_data(args: Args, tokenizer, *, main_process: bool = True):
@@ -367,7 +386,9 @@ def run(args: Args) -> RunResult:
     if main_process:
         from train.plots import write_run_pictures
 
-        write_run_pictures(out, evals, run_dir.METRICS_FILE)  # loss.png, accuracy_<task>.png
+        pictures = write_run_pictures(out, evals, run_dir.METRICS_FILE)  # loss.png, accuracy_<task>.png
+        if args.report_to != "none":
+            log_heatmaps(accelerator, pictures, steps)
     if main_process:  # last: the marker that the run finished
         run_dir.write_json(os.path.join(out, run_dir.RUN_INFO_FILE), {
             "finished": True, "steps": steps, "final_loss": losses[-1] if losses else None,
