@@ -81,10 +81,32 @@ def test_two_processes_in_a_training_layout_equal_one_process(tmp_path, one_proc
         assert work == [{"prompts": 8, "forwards": forwards}] * 2
 
 
-def test_a_launch_it_cannot_split_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("world,extra,message", [
+    (1, ("--sequence_parallel", 2), "error: --sequence_parallel 2 must divide the number of processes (1); launch a "
+                                    "multiple of 2 processes with accelerate launch --num_processes"),
+    (2, ("--tensor_parallel", 2, "--fsdp"), "error: --tensor_parallel does not compose with --fsdp yet; drop one of "
+                                            "them"),
+    (2, ("--fsdp", "--bits", 8), "error: --fsdp shards 4-bit (--bits 4) or unquantised (--bits 16) bases; "
+                                 "bitsandbytes int8 weights cannot be sharded: choose --bits 4"),
+    (16, ("--tensor_parallel", 2, "--sequence_parallel", 8, "--sp_mode", "ulysses"),
+     "error: --sp_mode ulysses splits each rank's 4 query heads (8 / --tensor_parallel 2) over --sequence_parallel 8, "
+     "so they must divide by 8; use --sp_mode ring or fewer tensor-parallel ranks"),
+], ids=["sp_world", "tp_fsdp", "fsdp_int8", "ulysses_local_heads"])
+def test_what_training_refuses_is_refused_with_its_line(tmp_path, capsys, monkeypatch, world, extra, message):
+    """training's own checks and messages (train.parallel, train.fsdp), before any weights are read. The launcher's
+    WORLD_SIZE is all the checks read, so one process stands for a launch of `world`."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
     data = tmp_path / "docs.jsonl"
     _documents(data)
-    assert main(_argv(data, tmp_path / "out.json", "--sequence_parallel", 2)) == 2
+    assert main(_argv(data, tmp_path / "out.json", *extra)) == 2
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == message
+
+
+def test_a_deepspeed_launch_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert main(_argv(tmp_path / "docs.jsonl", tmp_path / "out.json")) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: --sequence_parallel 2 must divide the number of processes (1); launch a multiple of 2 processes with "
-        "accelerate launch --num_processes")
+        "error: train.eval does not run under a DeepSpeed launch; launch with configs/accelerate/cpu_ddp.yaml or "
+        "multi_gpu.yaml and pass --fsdp to shard the weights over the processes")

@@ -6,6 +6,11 @@ perplexity (train.metrics) of a model.
         [--tasks passkey niah_multikey variable_tracking] [--lengths 256 1024] [--depths 0 0.5 1] [--trials N]
         [--dataset FILE --text_field text] [--max_seq_len N] [--output_json F]
 
+Under `accelerate launch` (or torchrun) it evaluates in training's layout (train.split_eval): the prompts and documents
+shared out over the data-parallel groups, each split over --sequence_parallel N ranks, the layers sliced over
+--tensor_parallel N ranks, the weights sharded over all ranks with --fsdp; the results are one process's, written by
+the main process.
+
 --adapter DIR reads the run's own files: its base model, RoPE scaling and bits from run_info.json (for
 a directory without one, such as checkpoint-N, the base from peft's adapter_config.json), and, unless
 given, the settings of the run's own evaluation (tasks, lengths, depths, trials, seed), so it reproduces
@@ -28,10 +33,10 @@ import torch
 
 from train import run_dir
 from train.args import TINY_LLAMA_DIR, _opt, build_parser, parse_tokens
+from train.deepspeed import LAUNCHER_ENV as DEEPSPEED_LAUNCH_ENV
 from train.errors import UserError
 from train.lifecycle import silence_library_noise
 from train.metrics import EVAL_SEED, format_perplexity, format_table, perplexity_by_position
-from train.deepspeed import LAUNCHER_ENV as DEEPSPEED_LAUNCH_ENV
 from train.parallel import launched_world_size
 from train.rope import ROPE_TYPES, check_rope_flags, set_rope_scaling
 from train.tasks import DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks
@@ -380,7 +385,8 @@ def main(argv=None) -> int:
     try:
         run(parse_args(argv))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank meets the same error: the main one says it
+            print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():  # several processes
