@@ -19,6 +19,8 @@ How it plugs in (transformers' own hooks for its context parallelism, which this
   process's gradient the sum over the group, as the split requires.
 - the training dataloader: the ranks of a group read the same rows (accelerate's batch sharding over the
   data-parallel groups instead of over every process).
+- `train` after an `evaluate()`: the model is wrapped in DDP as without it (accelerate would skip it) and the first
+  step is split like the others.
 - evaluation (`evaluate`, with `prediction_loss_only`): the eval / test dataloaders give the ranks of a group the same
   rows, as for training; `prediction_step` splits each batch by `shard_batch` and its loss is the group's
   token-weighted mean (`group_loss`), the same on every rank of the group; the loop gathers one copy per group, so
@@ -53,6 +55,17 @@ class SequenceParallelMixin:
         self.sequence_parallel, self.sp_mode, self.sp_group = sequence_parallel, sp_mode, None
         if sequence_parallel > 1:
             self.sp_group = sequence_parallel_group(sequence_parallel)  # raises unless N divides the processes
+
+    def train(self, *args, **kwargs):
+        # An evaluate() before train() leaves the model marked prepared by accelerate (for evaluation: not wrapped in
+        # DDP), and accelerate then skips wrapping it for training: no gradient all-reduce, each rank training alone
+        # (seen with stock Trainer too). Unmarked, it is wrapped as without that evaluate().
+        model = self.model
+        if self.accelerator.num_processes > 1 and self.model_wrapped is model and \
+                getattr(model, "_is_accelerate_prepared", False):
+            model._is_accelerate_prepared = False
+            self.accelerator._models = [m for m in self.accelerator._models if m is not model]
+        return super().train(*args, **kwargs)
 
     def get_cp_size(self) -> int:
         return self.sequence_parallel
@@ -108,7 +121,10 @@ class SequenceParallelMixin:
         return group_loss(share, self.sp_group), None, None
 
     def _prepare_context_parallel_inputs(self, model, inputs):
-        if self.sequence_parallel == 1 or not model.training:
+        # Under SP only training_step reaches this (prediction_step above splits its own batches). Not keyed on
+        # model.training: training_step calls this before model.train(), so the first step after an evaluate()
+        # would run unsplit (every rank the whole rows: loss and gradients x N).
+        if self.sequence_parallel == 1:
             return super()._prepare_context_parallel_inputs(model, inputs)
         inputs = self._prepare_inputs(inputs)  # on the device first: the context's masks are built from them
         local, context = shard_batch(inputs, self.sp_group, self.sp_mode)

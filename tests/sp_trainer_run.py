@@ -1,7 +1,8 @@
-"""One HF Trainer run for tests/test_trainer_sequence_parallel.py: `python sp_trainer_run.py OUT SP MODE` alone, or
-under torchrun with several processes. Writes OUT/result.pt on the main process: the logged losses and the trained
-LoRA weights, and after training `trainer.evaluate()`'s eval_loss on the same 8 rows (2 a batch). A tiny
-llama with LoRA, patched; 8 right-padded rows of 45 tokens; 3 steps of 2 rows."""
+"""One HF Trainer run for tests/test_trainer_sequence_parallel.py: `python sp_trainer_run.py OUT SP MODE [hf|trl]
+[eval_first]` alone, or under torchrun with several processes. Writes OUT/result.pt on the main process: the logged
+losses and the trained LoRA weights, and after training `trainer.evaluate()`'s eval_loss on the same 8 rows (2 a
+batch); with eval_first an evaluate() runs before training too. A tiny llama with LoRA, patched; 8 right-padded rows
+of 45 tokens; 3 steps of 2 rows."""
 from __future__ import annotations
 
 import gc
@@ -37,7 +38,7 @@ ARG_NAMES = ("output_dir", "per_device_train_batch_size", "per_device_eval_batch
              "remove_unused_columns", "seed")
 
 
-def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") -> None:
+def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf", eval_first: str = "") -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
@@ -77,6 +78,8 @@ def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") 
                                           data_collator=collate, sequence_parallel=sequence_parallel, sp_mode=mode)
     from bpt.sequence_parallel import traffic
 
+    if eval_first:  # an evaluate() before training must leave the training as without it
+        trainer.evaluate()
     trainer.train()
     sent = traffic.total()
     evals = [trainer.evaluate()["eval_loss"]]
@@ -110,4 +113,4 @@ def main(out: str, sequence_parallel: int, mode: str, trainer_kind: str = "hf") 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:])  # [hf|trl] [eval_first]

@@ -162,7 +162,7 @@ def test_fsdp_with_one_process_trains_unsharded_with_a_note(tiny, tmp_path, caps
     plain = run(parse_args(base_argv(tiny, tmp_path / "plain", *COMMON)))
     capsys.readouterr()
     noted = run(parse_args(base_argv(tiny, tmp_path / "fsdp", *COMMON, "--fsdp")))
-    assert "note: --fsdp with one process has nothing to shard over; training unsharded" in capsys.readouterr().err
+    assert "note: --fsdp with one process has nothing to shard over; running unsharded" in capsys.readouterr().err
     assert noted.losses == plain.losses
 
 

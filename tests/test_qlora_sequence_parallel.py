@@ -84,18 +84,22 @@ def test_a_layout_that_cannot_split_is_refused_before_loading(tiny, tmp_path, ca
 
 
 def test_evaluation_split_over_two_processes_matches_one_process(tiny, tmp_path):
-    """--eval_passkey under --sequence_parallel 2: every prompt decoded split over the group (train.split_eval), the
-    results those of one process. The shipped tiny model retrieves keys at these lengths, so the answers count."""
+    """--eval_passkey on two processes, as SP 2 (every prompt decoded split over the group, train.split_eval) and as
+    DP 2 (the prompts shared out over the two data-parallel groups): the results those of one process. The shipped
+    tiny model retrieves keys at these lengths, so the answers count."""
     from train.args import TINY_LLAMA_DIR
 
     evaluation = ("--model_name_or_path", TINY_LLAMA_DIR, "--eval_passkey", "--eval_lengths", 128, 256,
                   "--eval_trials", 2, "--eval_depths", 0.25, 0.75, "--max_steps", 1, "--learning_rate", 1e-4)
     one = tmp_path / "one"
     run(parse_args(base_argv(tiny, one, *COMMON, *evaluation)))
-    two = tmp_path / "two"
-    done = _launch(tiny, two, *evaluation, "--sequence_parallel", 2, "--sp_mode", "ring")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "passkey accuracy after training" in done.stdout and "each prompt split over 2 processes (ring)" in done.stdout
     expected = json.loads((one / "eval.json").read_text())
     assert expected["before"]["accuracy"] > 0.5  # retrieval works: a broken split decode would lose it
-    assert json.loads((two / "eval.json").read_text()) == expected
+    for name, flags, said in [("sp", ("--sequence_parallel", 2, "--sp_mode", "ring"),
+                               "each prompt split over 2 processes (ring)"),
+                              ("dp", ("--per_device_train_batch_size", 1), "prompts shared over 2 data-parallel "
+                                                                            "groups")]:
+        done = _launch(tiny, tmp_path / name, *evaluation, *flags)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "passkey accuracy after training" in done.stdout and said in done.stdout
+        assert json.loads((tmp_path / name / "eval.json").read_text()) == expected, name

@@ -15,12 +15,12 @@ from gloo_processes import free_port
 SCRIPT = str(REPO / "tests" / "sp_trainer_run.py")
 
 
-def _run(out, processes: int, sequence_parallel: int, mode: str, trainer: str) -> dict:
+def _run(out, processes: int, sequence_parallel: int, mode: str, trainer: str, *extra: str) -> dict:
     launcher = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                         "--nproc_per_node", str(processes),
                                                         "--master_port", str(free_port())]
-    done = subprocess.run([*launcher, SCRIPT, str(out), str(sequence_parallel), mode, trainer], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*launcher, SCRIPT, str(out), str(sequence_parallel), mode, trainer, *extra], cwd=REPO,
+                          env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out / "result.pt")
 
@@ -57,3 +57,13 @@ def test_trainer_with_split_sequences_matches_one_process(one_process, tmp_path,
     assert alone["refusal"] is None
     groups = processes // 2
     assert split["gathered"] == [value for group in range(groups) for value in (group, 5)]  # each group's first rank
+
+
+def test_an_evaluate_before_training_leaves_the_training_as_one_process(one_process, tmp_path):
+    """evaluate() before train() under SP 2: the first step is split like the others (it ran unsplit, logging twice
+    the loss) and the model is wrapped in DDP (accelerate skipped it: each rank trained alone)."""
+    split, alone = _run(tmp_path, 2, 2, "ulysses", "hf", "eval_first"), one_process("hf")
+    assert split["losses"] == pytest.approx(alone["losses"], rel=1e-5)
+    for name, weight in alone["lora"].items():
+        torch.testing.assert_close(split["lora"][name], weight, rtol=1e-4, atol=1e-6)
+    assert split["eval_losses"] == pytest.approx(alone["eval_losses"], rel=1e-5)

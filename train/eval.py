@@ -6,6 +6,11 @@ perplexity (train.metrics) of a model.
         [--tasks passkey niah_multikey variable_tracking] [--lengths 256 1024] [--depths 0 0.5 1] [--trials N]
         [--dataset FILE --text_field text] [--max_seq_len N] [--output_json F]
 
+Under `accelerate launch` (or torchrun) it evaluates in training's layout (train.split_eval): the prompts and documents
+shared out over the data-parallel groups, each split over --sequence_parallel N ranks, the layers sliced over
+--tensor_parallel N ranks, the weights sharded over all ranks with --fsdp; the results are one process's, written by
+the main process.
+
 --adapter DIR reads the run's own files: its base model, RoPE scaling and bits from run_info.json (for
 a directory without one, such as checkpoint-N, the base from peft's adapter_config.json), and, unless
 given, the settings of the run's own evaluation (tasks, lengths, depths, trials, seed), so it reproduces
@@ -28,6 +33,7 @@ import torch
 
 from train import run_dir
 from train.args import TINY_LLAMA_DIR, _opt, build_parser, parse_tokens
+from train.deepspeed import LAUNCHER_ENV as DEEPSPEED_LAUNCH_ENV
 from train.errors import UserError
 from train.lifecycle import silence_library_noise
 from train.metrics import EVAL_SEED, format_perplexity, format_table, perplexity_by_position
@@ -80,6 +86,11 @@ class EvalArgs:
         "evaluates in the same memory per process. Results equal one process's; the main process writes them.")
     sp_mode: str = _opt("ring", "Sequence-parallel attention with --sequence_parallel: ring or ulysses (query "
                         "heads must divide by N).", choices=("ring", "ulysses"))
+    tensor_parallel: int = _opt(
+        1, "Slice every layer over groups of N processes, as train.qlora --tensor_parallel does (its checks, its "
+        "slicing); composes with --sequence_parallel (launch a multiple of N x SP processes).")
+    fsdp: bool = _opt(False, "Shard the weights over every process with FSDP2, as train.qlora --fsdp does (also on "
+                      "when launched with an accelerate FSDP config); composes with --sequence_parallel.")
     output_json: str | None = _opt(None, "Where the results go (default: ADAPTER/eval_results.json with --adapter, "
                                    "else outputs/eval/<model directory name>.json).")
 
@@ -193,26 +204,60 @@ def _warn_contradictions(run, base: str, config, bits: int) -> None:
 
 
 def load_for_eval(args: EvalArgs, output: str | None = None):
-    """(model, tokenizer) that `args` name: for --adapter, the run's own model, loaded by train.model's code. Every
-    check comes before the weights are read, that `output` (the results file) can be written included."""
-    from train.model import load_tokenizer
+    """(model, tokenizer) that `args` name, on one process: for --adapter, the run's own model, loaded by
+    train.model's code. Every check comes before the weights are read, that `output` (the results file) can be written
+    included."""
+    plan, tokenizer = _prepare(args, output)
+    return _load_weights(plan), tokenizer
 
-    plan = plan_model(args)
+
+def _prepare(args: EvalArgs, output: str | None):
+    """(EvalModel, tokenizer) after every check that needs no weights, the layout's (training's own) included."""
+    from train.fsdp import check_fsdp, use_launcher_fsdp
+    from train.model import load_tokenizer
+    from train.parallel import check_mesh, check_tensor_parallel_model
+
+    if os.environ.get(DEEPSPEED_LAUNCH_ENV, "false").lower() == "true":
+        raise UserError("train.eval does not run under a DeepSpeed launch; launch with configs/accelerate/cpu_ddp.yaml "
+                        "or multi_gpu.yaml and pass --fsdp to shard the weights over the processes")
+    use_launcher_fsdp(args)
+    plan = plan_model(args)  # resolves --bits, which the checks read
+    check_mesh(args)
+    check_fsdp(args, plan.config)
+    check_tensor_parallel_model(args, plan.config)
     tokenizer = load_tokenizer(plan.tokenizer_source, plan.trust_remote_code)
     check_task_lengths(tokenizer, args.tasks, args.lengths)
     if output is not None:
         run_dir.check_writable(os.path.dirname(output) or ".", "--output_json's directory")
-    return _load_weights(plan), tokenizer
+    return plan, tokenizer
 
 
-def _load_weights(plan: EvalModel):
+def _load_weights(plan: EvalModel, shardable: bool = False):
     from train.model import load_base, load_run_model
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if plan.run is not None:
-        return load_run_model(plan.run, device)
+        return load_run_model(plan.run, device, shardable=shardable)
     return load_base(plan.model_name_or_path, plan.config, bits=plan.bits, device=device,
-                     trust_remote_code=plan.trust_remote_code)
+                     trust_remote_code=plan.trust_remote_code, shardable=shardable)
+
+
+def _load_in_layout(plan: EvalModel, args: EvalArgs, layout):
+    """The model placed as training places it: sliced over its tensor-parallel group, patched for sequence
+    parallelism (the split attention runs in the blockwise patch), sharded with FSDP2; by training's own code."""
+    from patches import apply_bpt_patch, is_patched
+    from train.fsdp import shard_model
+    from train.model import slice_model
+
+    model = _load_weights(plan, shardable=args.fsdp)
+    model.requires_grad_(False)  # nothing trains: FSDP keeps every weight as loaded (no fp32 copies)
+    if args.tensor_parallel > 1:
+        slice_model(model, args.tensor_parallel, layout.tp_group)
+    if args.sequence_parallel > 1 and not is_patched(model):
+        apply_bpt_patch(model, eval_logits=False)  # loss-only in eval mode, as training patches it
+    if args.fsdp:
+        shard_model(model)
+    return model
 
 
 def parse_args(argv=None) -> EvalArgs:
@@ -227,7 +272,7 @@ def parse_args(argv=None) -> EvalArgs:
         raise UserError(f"--depths must be fractions in [0, 1], got {args.depths}")
     if (args.trials is not None and args.trials < 1) or any(length < 1 for length in args.lengths or []):
         raise UserError("--trials and every --lengths value must be positive integers")
-    for name in ("batch_size", "max_docs", "max_seq_len", "ppl_buckets", "sequence_parallel"):
+    for name in ("batch_size", "max_docs", "max_seq_len", "ppl_buckets", "sequence_parallel", "tensor_parallel"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     return args
@@ -242,44 +287,46 @@ def output_path(args: EvalArgs) -> str:
     return os.path.join(DEFAULT_OUTPUT_DIR, f"{name}.json")
 
 
-def split_layout(args: EvalArgs):
-    """None without --sequence_parallel; else this process's train.split_eval.SplitEval (the process group started
-    from the launcher's environment: gloo on CPU, NCCL with one GPU per process)."""
-    n = args.sequence_parallel
-    if n == 1:
-        return None
+def start_layout(args: EvalArgs):
+    """None for one process; else this process's place in training's (dp, sp, tp) layout (train.parallel), the
+    process group started from the launcher's environment (gloo on CPU, NCCL with one GPU per process)."""
     world = launched_world_size()
-    if world % n:
-        raise UserError(f"--sequence_parallel {n} must divide the number of processes ({world}); launch a multiple "
-                        f"of {n} with accelerate launch --num_processes (or torchrun --nproc_per_node)")
+    if world == 1:
+        return None
     import torch.distributed as dist
 
-    from patches.sequence_parallel import sequence_parallel_group
-    from train.split_eval import SplitEval
+    from train.parallel import make_layout
 
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return SplitEval(sequence_parallel_group(n), args.sp_mode)
+    return make_layout(world, dist.get_rank(), args)
 
 
-def _patched_for_split(model):
-    """The split attention runs in the blockwise patch: a model not patched yet gets it (loss-only in eval mode)."""
-    from patches import apply_bpt_patch, is_patched
+def _layout_text(layout, args: EvalArgs, model) -> str:
+    from train.fsdp import local_share
 
-    if not is_patched(model):
-        apply_bpt_patch(model, eval_logits=False)
-    return model
+    return (f"evaluating on {layout.world} processes: {layout.data_world} data-parallel group(s)"
+            + (f", sequences split {layout.sequence_parallel} ways ({layout.mode})" if layout.sequence_parallel > 1
+               else "")
+            + (f", layers split {layout.tensor_parallel} ways" if layout.tensor_parallel > 1 else "")
+            + (f", FSDP2 over {layout.world} processes, the main one holding {100 * local_share(model):.1f}% of the "
+               "weights" if args.fsdp else ""))
 
 
 def run(args: EvalArgs) -> dict:
+    from train.split_eval import SplitEval, work_done
+
     output = output_path(args)
-    split = split_layout(args)
-    main_process = split is None or torch.distributed.get_rank() == 0
-    model, tokenizer = load_for_eval(args, output)
-    if split is not None:
-        model = _patched_for_split(model)
+    plan, tokenizer = _prepare(args, output)
+    layout = start_layout(args)
+    main_process = layout is None or layout.rank == 0
+    model = _load_weights(plan) if layout is None else _load_in_layout(plan, args, layout)
+    # Work shared over the data-parallel groups, each sequence over its sequence-parallel group (train.split_eval).
+    split = None if layout is None else SplitEval.of(layout, lockstep=args.fsdp)
+    if main_process and layout is not None:
+        print(_layout_text(layout, args, model), file=sys.stderr, flush=True)
     tasks = evaluate_tasks(model, tokenizer, args.tasks, lengths=args.lengths, depths=args.depths,
                            trials=args.trials, seed=args.seed, batch_size=args.batch_size, split=split)
     result = dict(tasks.get("passkey", {}))  # passkey at the top level too, as before there were tasks
@@ -307,6 +354,8 @@ def run(args: EvalArgs) -> dict:
     result["rope_parameters"] = config.rope_parameters
     result["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
     result["args"] = dataclasses.asdict(args)  # as resolved: the run's base, bits and passkey settings filled in
+    if split is not None:  # what each rank evaluated: prompts decoded, scoring forwards run (repeats not counted)
+        result["work_by_rank"] = work_done(split)
     if not main_process:
         return result
     run_dir.write_json(output, result)
@@ -336,10 +385,11 @@ def main(argv=None) -> int:
     try:
         run(parse_args(argv))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank meets the same error: the main one says it
+            print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():  # --sequence_parallel
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # several processes
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
     return 0

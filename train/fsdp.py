@@ -43,12 +43,12 @@ def use_launcher_fsdp(args) -> None:
 def check_fsdp(args, config) -> None:
     """UserError (before any weights are read) for what FSDP cannot shard. With one process there is nothing to
     shard over: --fsdp is dropped with a note."""
-    if args.fsdp_cpu_offload and not args.fsdp:
+    if getattr(args, "fsdp_cpu_offload", False) and not args.fsdp:  # train.eval has no --fsdp_cpu_offload
         raise UserError("--fsdp_cpu_offload offloads FSDP's shards: add --fsdp (and launch several processes)")
     if not args.fsdp:
         return
     if launched_world_size() == 1:
-        print("note: --fsdp with one process has nothing to shard over; training unsharded (launch several "
+        print("note: --fsdp with one process has nothing to shard over; running unsharded (launch several "
               "processes with accelerate launch --num_processes N to shard)", file=sys.stderr, flush=True)
         args.fsdp = False
         return
@@ -69,7 +69,7 @@ def refuse_unshardable(args, config, *, int8: str, paged_optim: str, storage: st
     already quantised in an integer storage (`storage` is formatted with the model and the storage dtype)."""
     if args.bits == 8:
         raise UserError(int8)
-    if args.optim == "paged_adamw_8bit":
+    if getattr(args, "optim", None) == "paged_adamw_8bit":  # train.eval has no optimizer
         raise UserError(paged_optim)
     saved = saved_4bit_storage(config)
     if saved is not None and not saved.startswith(("float", "bfloat")):

@@ -38,16 +38,52 @@ def answer_is_correct(generated: str, key: str) -> bool:
     return generated.lstrip().startswith(key)
 
 
+def _sequence_split(split):
+    """The split when it splits sequences (a sequence-parallel group), else None."""
+    return split if split is not None and split.group is not None else None
+
+
 def _greedy(model, batch: torch.Tensor, max_new_tokens: int, pad_token_id, split=None) -> torch.Tensor:
-    """Greedy continuation of equal-length prompts [B, L] -> new tokens [B, max_new_tokens]; with `split` (a
-    train.split_eval.SplitEval) every rank of its sequence-parallel group decodes together, each holding a shard."""
-    if split is not None:
+    """Greedy continuation of equal-length prompts [B, L] -> new tokens [B, max_new_tokens]; with a `split`
+    (train.split_eval.SplitEval) that has a sequence-parallel group, every rank of it decodes together, each holding a
+    shard. Weights sharded over every rank (split.lockstep): generate's synced_gpus keeps the ranks' forwards in step."""
+    if _sequence_split(split) is not None:
         from train.split_eval import split_greedy
 
         return split_greedy(model, batch, max_new_tokens, split)
     out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=False,
-                         max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
+                         max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+                         synced_gpus=None if split is None else split.lockstep)
     return out[:, batch.shape[1]:]
+
+
+def batched(cases: list[dict], key, batch_size: int) -> list[list[dict]]:
+    """The cases in batches of at most batch_size with equal key(case) (equal prompt lengths: no padding), in the
+    order of the keys' first appearance."""
+    groups: dict = {}
+    for case in cases:
+        groups.setdefault(key(case), []).append(case)
+    return [group[i:i + batch_size] for group in groups.values() for i in range(0, len(group), batch_size)]
+
+
+def decode_batches(model, tokenizer, batches: list[list[dict]], *, prompt, new_tokens, score, split=None) -> None:
+    """Greedy-decode every batch (new_tokens(batch) tokens after each case's prompt(case)) and set each case's
+    "correct" to score(case, generated text). With `split` the batches are shared out over its data-parallel groups
+    (train.split_eval.spread): the same batches, so the same answers, as one process."""
+    from train.split_eval import spread
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def run(batch: list[dict]) -> list:
+        ids = torch.tensor([prompt(c) for c in batch], dtype=torch.long, device=_device(model))
+        new = _greedy(model, ids, new_tokens(batch), pad_id, split)
+        return [score(c, tokenizer.decode(row, skip_special_tokens=True)) for c, row in zip(batch, new.tolist())]
+
+    with evaluation_mode(model):
+        results = spread(split, batches, run, "prompts", len)
+    for batch, scores in zip(batches, results):
+        for case, correct in zip(batch, scores):
+            case["correct"] = correct
 
 
 def _passkey_cases(tokenizer, lengths, depths, trials: int, seed: int, key_digits: int) -> list[dict]:
@@ -78,23 +114,15 @@ def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed
 
     Returns {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc}, "accuracy": acc}.
     Prompts of equal token length are batched (no padding needed); batch_size bounds memory. `split`: decode over a
-    sequence-parallel group (train.split_eval), every rank of it calling with the same arguments.
+    sequence-parallel group and share the batches over the data-parallel groups (train.split_eval), every rank calling
+    with the same arguments.
     """
     check_passkey_lengths(tokenizer, lengths, key_digits)
     cases = _passkey_cases(tokenizer, lengths, depths, trials, seed, key_digits)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    with evaluation_mode(model):
-        by_len: dict[int, list[dict]] = {}
-        for case in cases:
-            by_len.setdefault(len(case["prompt"]), []).append(case)
-        for group in by_len.values():
-            for i in range(0, len(group), batch_size):
-                chunk = group[i:i + batch_size]
-                batch = torch.tensor([c["prompt"] for c in chunk], dtype=torch.long, device=_device(model))
-                # A few tokens beyond the answer so that a longer (wrong) number is caught.
-                new = _greedy(model, batch, max(len(c["answer"]) for c in chunk) + 2, pad_id, split)
-                for c, ids in zip(chunk, new.tolist()):
-                    c["correct"] = answer_is_correct(tokenizer.decode(ids, skip_special_tokens=True), c["key"])
+    # A few tokens beyond the answer so that a longer (wrong) number is caught.
+    decode_batches(model, tokenizer, batched(cases, lambda c: len(c["prompt"]), batch_size),
+                   prompt=lambda c: c["prompt"], new_tokens=lambda batch: max(len(c["answer"]) for c in batch) + 2,
+                   score=lambda c, text: answer_is_correct(text, c["key"]), split=split)
     return _summarise(cases, lengths, depths)
 
 
@@ -113,7 +141,7 @@ def _summarise(cases: list[dict], lengths, depths) -> dict:
 
 def _loss(model, x: torch.Tensor, labels: torch.Tensor, split=None) -> torch.Tensor:
     """The model's mean loss over the labelled targets; with `split` computed over a sequence-parallel group."""
-    if split is not None:
+    if _sequence_split(split) is not None:
         from train.split_eval import split_loss
 
         return split_loss(model, x, split, labels)
@@ -128,21 +156,25 @@ def perplexity(model, tokenizer, texts, *, max_seq_len: int, split=None) -> floa
     Uses the model's own loss (labels=input_ids) rather than logits, so it also works when a patch
     computes the loss chunk by chunk without materialising logits.
     """
-    total_nll, total_tokens = 0.0, 0
+    from train.split_eval import spread
+
+    chunks = [chunk for text in texts for chunk in _chunks(tokenizer(text)["input_ids"], max_seq_len)
+              if len(chunk) >= 2]  # a single token: nothing to predict
+
+    def nll(chunk: list[int]) -> float:
+        x = torch.tensor([chunk], dtype=torch.long, device=_device(model))
+        return _loss(model, x, x, split).float().item() * (len(chunk) - 1)  # the mean over len(chunk) - 1 targets
+
     with evaluation_mode(model):
-        for text in texts:
-            ids = tokenizer(text)["input_ids"]
-            for start in range(0, len(ids), max_seq_len):
-                chunk = ids[start:start + max_seq_len]
-                if len(chunk) < 2:  # nothing to predict
-                    continue
-                x = torch.tensor([chunk], dtype=torch.long, device=_device(model))
-                loss = _loss(model, x, x, split)  # mean over len(chunk) - 1 predictions
-                total_nll += loss.float().item() * (len(chunk) - 1)
-                total_tokens += len(chunk) - 1
+        total_nll = sum(spread(split, chunks, nll))
+    total_tokens = sum(len(chunk) - 1 for chunk in chunks)
     if total_tokens == 0:
         raise UserError("perplexity: the texts have no tokens to score; pass non-empty documents")
     return math.exp(total_nll / total_tokens)
+
+
+def _chunks(ids: list[int], max_seq_len: int) -> list[list[int]]:
+    return [ids[start:start + max_seq_len] for start in range(0, len(ids), max_seq_len)]
 
 
 def position_buckets(max_seq_len: int, n_buckets: int) -> list[tuple[int, int]]:
@@ -163,23 +195,29 @@ def perplexity_by_position(model, tokenizer, texts, *, max_seq_len: int, n_bucke
     bucket is one forward with the labels outside it masked (-100), so a model that only returns its loss (a
     chunked-loss patch) works too; that costs n_buckets forwards per chunk.
     """
+    from train.split_eval import spread
+
     buckets = position_buckets(max_seq_len, n_buckets)
+    forwards = []  # (chunk, bucket, first, last): one forward scoring positions [first, last) of the chunk
+    for text in texts:
+        for chunk in _chunks(tokenizer(text)["input_ids"], max_seq_len):
+            for b, (start, end) in enumerate(buckets):
+                first, last = max(start, 1), min(end, len(chunk))
+                if last > first:
+                    forwards.append((chunk, b, first, last))
+
+    def scored(forward) -> float:
+        chunk, _, first, last = forward
+        x = torch.tensor([chunk], dtype=torch.long, device=_device(model))
+        labels = torch.full_like(x, -100)
+        labels[:, first:last] = x[:, first:last]
+        return _loss(model, x, labels, split).float().item() * (last - first)  # the mean over last - first targets
+
     sums, counts = [0.0] * len(buckets), [0] * len(buckets)
     with evaluation_mode(model):
-        for text in texts:
-            ids = tokenizer(text)["input_ids"]
-            for chunk_start in range(0, len(ids), max_seq_len):
-                chunk = ids[chunk_start:chunk_start + max_seq_len]
-                x = torch.tensor([chunk], dtype=torch.long, device=_device(model))
-                for b, (start, end) in enumerate(buckets):
-                    first, last = max(start, 1), min(end, len(chunk))
-                    if last <= first:
-                        continue
-                    labels = torch.full_like(x, -100)
-                    labels[:, first:last] = x[:, first:last]
-                    loss = _loss(model, x, labels, split)  # mean over the last - first targets
-                    sums[b] += loss.float().item() * (last - first)
-                    counts[b] += last - first
+        for (_, b, first, last), value in zip(forwards, spread(split, forwards, scored)):
+            sums[b] += value
+            counts[b] += last - first
     if sum(counts) == 0:
         raise UserError("perplexity: the texts have no tokens to score; pass non-empty documents")
     nll = sum(sums) / sum(counts)

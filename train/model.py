@@ -222,14 +222,19 @@ def build_model(args, config, device: torch.device, *, shardable: bool = False, 
 
         load_weights(weights_from, model)
     if tp_group is not None:
-        from patches.tensor_parallel import tensor_parallel
-
-        try:
-            tensor_parallel(model, tp_group)
-        except ValueError as error:
-            raise UserError(f"cannot split the model over --tensor_parallel {args.tensor_parallel}: "
-                            f"{one_line(error)}") from None
+        slice_model(model, args.tensor_parallel, tp_group)
     return model, patch(model, args)
+
+
+def slice_model(model, size: int, tp_group) -> None:
+    """Slice `model`'s layers over its tensor-parallel group (patches.tensor_parallel), in place (training and
+    train.eval alike)."""
+    from patches.tensor_parallel import tensor_parallel
+
+    try:
+        tensor_parallel(model, tp_group)
+    except ValueError as error:
+        raise UserError(f"cannot split the model over --tensor_parallel {size}: {one_line(error)}") from None
 
 
 def patch(model, args):
@@ -302,12 +307,13 @@ def read_run(output_dir: str, *, model_name_or_path: str | None = None) -> Train
     return TrainedRun(output_dir, base, recorded, config, bits, trust_remote_code, info)
 
 
-def load_run_model(run: TrainedRun, device: torch.device | str = "cpu"):
-    """The run's base (its config, quantised to run.bits) with the adapter on it."""
+def load_run_model(run: TrainedRun, device: torch.device | str = "cpu", *, shardable: bool = False):
+    """The run's base (its config, quantised to run.bits; 4-bit data in a float storage when `shardable`, for FSDP)
+    with the adapter on it."""
     from peft import PeftModel
 
     base = load_base(run.model_name_or_path, run.config, bits=run.bits, device=torch.device(device),
-                     trust_remote_code=run.trust_remote_code)
+                     trust_remote_code=run.trust_remote_code, shardable=shardable)
     try:
         with _quiet_checkpointing_renames():
             return PeftModel.from_pretrained(base, run.adapter_dir)

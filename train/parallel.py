@@ -49,16 +49,20 @@ class Layout:
 
 
 def check_layout(args, world: int | None = None) -> None:
-    """UserError (before any model is loaded) when --sequence_parallel cannot split this launch."""
+    """UserError (before any model is loaded) when --sequence_parallel / --tensor_parallel cannot split this run."""
+    if args.sequence_parallel > 1 and not args.bpt:
+        raise UserError("--sequence_parallel needs the blockwise patch (drop --no_bpt)")
+    check_mesh(args, world)
+
+
+def check_mesh(args, world: int | None = None) -> None:
+    """UserError (before any model is loaded) when this launch's processes cannot form the (dp, sp, tp) layout that
+    args.sequence_parallel / tensor_parallel ask for (training and train.eval alike)."""
     world = launched_world_size() if world is None else world
     check_tensor_parallel_layout(args, world)
     n = args.sequence_parallel
-    if n == 1:
-        return
-    if not args.bpt:
-        raise UserError("--sequence_parallel needs the blockwise patch (drop --no_bpt)")
-
-    _must_divide(f"--sequence_parallel {n}", n, world)
+    if n > 1:
+        _must_divide(f"--sequence_parallel {n}", n, world)
 
 
 def _must_divide(what: str, n: int, world: int) -> None:
@@ -100,12 +104,11 @@ def check_tensor_parallel_model(args, config) -> None:
                         f"divide by {sp}; use --sp_mode ring or fewer tensor-parallel ranks")
 
 
-def make_layout(accelerator, args) -> Layout:
+def make_layout(world: int, rank: int, args) -> Layout:
     """This rank's place in the run; creates the sequence- and tensor-parallel process groups (every rank creates
     every group, as torch.distributed requires: the sp groups, then the tp groups and the same-slices groups)."""
-    world, rank = accelerator.num_processes, accelerator.process_index
     n, tp = args.sequence_parallel, args.tensor_parallel
-    check_layout(args, world)
+    check_mesh(args, world)
     group = tp_group = tp_data_group = None
     if n > 1 or tp > 1:
         from patches.tensor_parallel import mesh_groups

@@ -257,13 +257,15 @@ def eval_tasks(args: Args) -> list[str]:
 
 def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict,
               step: int, layout) -> dict | None:
-    """Accuracy of each --eval_tasks task on the main process (the others wait: greedy decoding needs no data
-    parallelism; under FSDP / ZeRO-3 every rank decodes, as every forward gathers the shards; under sequence
-    parallelism each group decodes every prompt split as training splits its rows, train.split_eval), printed, logged
-    to the tracker at `step` (eval/<task>_accuracy, and _<length>) and written to eval.json under `when`
-    ("before"/"after") beside the earlier results in `evals`: {"tasks": {task: result}}, passkey's result also at
-    the top level."""
+    """Accuracy of each --eval_tasks task, evaluated in the training layout (train.split_eval): the prompts shared
+    out over the data-parallel groups, each split over its sequence-parallel group as training splits its rows, every
+    forward of sharded (FSDP, ZeRO-3) or sliced (TP) weights a collective of the ranks holding them; the answers are
+    one process's. The main process prints them, logs them to the tracker at `step` (eval/<task>_accuracy, and
+    _<length>) and writes them to eval.json under `when` ("before"/"after") beside the earlier results in `evals`:
+    {"tasks": {task: result}}, passkey's result also at the top level."""
     from train.deepspeed import partitioned
+    from train.split_eval import SplitEval
+    from train.tasks import evaluate_tasks
 
     def report(tasks: dict) -> dict:
         logged = {}
@@ -278,25 +280,16 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
             accelerator.log(logged, step=step)
         return result
 
-    def evaluate() -> dict:
-        from train.tasks import evaluate_tasks
-
-        return evaluate_tasks(accelerator.unwrap_model(model), tokenizer, eval_tasks(args),
-                              lengths=args.eval_lengths or [args.max_seq_len], depths=args.eval_depths,
-                              trials=args.eval_trials, seed=EVAL_SEED, split=split)
-
-    split, where = None, ""
-    if layout.sequence_parallel > 1:  # each prompt split over the group, as training splits its rows
-        from train.split_eval import SplitEval
-
-        split = SplitEval(layout.group, layout.mode)
-        where = f"; each prompt split over {layout.sequence_parallel} processes ({layout.mode})"
-    # Sharded (FSDP, ZeRO-3) or sliced (TP) weights: every forward is a collective.
-    sharded = args.fsdp or args.tensor_parallel > 1 or partitioned(accelerator.unwrap_model(model))
-    if sharded or split is not None:  # every rank takes part in the forwards; the main one reports
-        tasks = evaluate()
-        return on_main(accelerator, lambda: report(tasks)) or {**tasks.get("passkey", {}), "tasks": tasks}
-    return on_main(accelerator, lambda: report(evaluate()))
+    # Weights sharded over every rank (FSDP, ZeRO-3): every rank takes part in every forward.
+    lockstep = args.fsdp or partitioned(accelerator.unwrap_model(model))
+    split = SplitEval.of(layout, lockstep)
+    where = (f"; prompts shared over {layout.data_world} data-parallel groups" if layout.data_world > 1 else "") + \
+        (f"; each prompt split over {layout.sequence_parallel} processes ({layout.mode})"
+         if layout.sequence_parallel > 1 else "")
+    tasks = evaluate_tasks(accelerator.unwrap_model(model), tokenizer, eval_tasks(args),
+                           lengths=args.eval_lengths or [args.max_seq_len], depths=args.eval_depths,
+                           trials=args.eval_trials, seed=EVAL_SEED, split=split)
+    return on_main(accelerator, lambda: report(tasks)) or {**tasks.get("passkey", {}), "tasks": tasks}
 
 
 # ---------------------------------------------------------------- the run and the command line
@@ -322,7 +315,7 @@ def run(args: Args) -> RunResult:
     dataset = on_main(accelerator, lambda: load_data(args, tokenizer))
     if not main_process:
         dataset = load_data(args, tokenizer, main_process=False)
-    layout = make_layout(accelerator, args)
+    layout = make_layout(accelerator.num_processes, accelerator.process_index, args)
     steps = loop.total_steps(len(dataset), args, layout.data_world)
     if plan.resume_path:
         check_resume(plan.resume_path, args, accelerator.num_processes, steps)

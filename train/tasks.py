@@ -280,8 +280,9 @@ def task_accuracy(model, tokenizer, task: str, *, lengths, depths, trials: int =
 
     Returns passkey_accuracy's shape: {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc},
     "accuracy": acc}, acc the mean score (partial credit for multi-value answers). `split`: decode over a
-    sequence-parallel group (train.split_eval), every rank of it calling with the same arguments."""
-    from train.metrics import _device, _greedy, _summarise, evaluation_mode
+    sequence-parallel group and share the batches over the data-parallel groups (train.split_eval), every rank
+    calling with the same arguments."""
+    from train.metrics import _summarise, batched, decode_batches
 
     if task == "passkey":  # train.metrics' own (its checks and messages)
         from train.metrics import passkey_accuracy
@@ -289,19 +290,10 @@ def task_accuracy(model, tokenizer, task: str, *, lengths, depths, trials: int =
         return passkey_accuracy(model, tokenizer, lengths=lengths, depths=depths, trials=trials, seed=seed,
                                 batch_size=batch_size, split=split)
     cases = _cases(tokenizer, task, lengths, depths, trials, seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    groups: dict[int, list[dict]] = {}
-    for item in cases:
-        groups.setdefault((len(item["case"].prompt), item["case"].max_new_tokens), []).append(item)
-    with evaluation_mode(model):
-        for group in groups.values():
-            for i in range(0, len(group), batch_size):
-                chunk = group[i:i + batch_size]
-                batch = torch.tensor([c["case"].prompt for c in chunk], dtype=torch.long, device=_device(model))
-                new = _greedy(model, batch, chunk[0]["case"].max_new_tokens, pad_id, split)
-                for item, ids in zip(chunk, new.tolist()):
-                    text = tokenizer.decode(ids, skip_special_tokens=True)
-                    item["correct"] = TASKS[task].score(text, item["case"].references)
+    batches = batched(cases, lambda c: (len(c["case"].prompt), c["case"].max_new_tokens), batch_size)
+    decode_batches(model, tokenizer, batches, prompt=lambda c: c["case"].prompt,
+                   new_tokens=lambda batch: batch[0]["case"].max_new_tokens,
+                   score=lambda c, text: TASKS[task].score(text, c["case"].references), split=split)
     return _summarise(cases, lengths, depths)
 
 
