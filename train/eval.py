@@ -65,7 +65,7 @@ class EvalArgs:
         None, f"Depths of the needle asked about (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))}).")
     trials: int | None = _opt(None, "Trials per (length, depth) (default: the run's, else 5).")
     seed: int | None = _opt(None, "Prompt seed (default: the run's evaluation seed, else 0).")
-    batch_size: int = _opt(8, "Passkey prompts decoded together (bounds memory).")
+    batch_size: int = _opt(8, "Prompts decoded together (bounds memory); lm-eval's, left-padded to the longest.")
     dataset: str | None = _opt(None, "Held-out documents for perplexity (local file/dir or hub name); no default: "
                                "without it, no perplexity.")
     text_field: str = _opt("text", "Column of --dataset holding the documents.")
@@ -80,6 +80,14 @@ class EvalArgs:
         "evaluates in the same memory per process. Results equal one process's; the main process writes them.")
     sp_mode: str = _opt("ring", "Sequence-parallel attention with --sequence_parallel: ring or ulysses (query "
                         "heads must divide by N).", choices=("ring", "ulysses"))
+    lm_eval_tasks: list[str] | None = _opt(
+        None, "lm-evaluation-harness's RULER tasks (pip install -e \".[ruler]\"), run by lm-eval's own HF wrapper on "
+        "the patched model at each --lengths: ruler (all of these) or some of niah_single_1, niah_multikey_2, "
+        "niah_multikey_3, ruler_vt, ruler_cwe, ruler_fwe (the others download data). With it, --tasks runs only "
+        "when named.")
+    lm_eval_limit: int | None = _opt(None, "The first N of lm-eval's prompts per task and length (default: all 500, "
+                                     "RULER's count).")
+    lm_eval_stock: bool = _opt(False, "Run --lm_eval_tasks on the unpatched model (stock transformers), to compare.")
     output_json: str | None = _opt(None, "Where the results go (default: ADAPTER/eval_results.json with --adapter, "
                                    "else outputs/eval/<model directory name>.json).")
 
@@ -195,6 +203,12 @@ def _warn_contradictions(run, base: str, config, bits: int) -> None:
 def load_for_eval(args: EvalArgs, output: str | None = None):
     """(model, tokenizer) that `args` name: for --adapter, the run's own model, loaded by train.model's code. Every
     check comes before the weights are read, that `output` (the results file) can be written included."""
+    plan, tokenizer = prepare(args, output)
+    return _load_weights(plan), tokenizer
+
+
+def prepare(args: EvalArgs, output: str | None = None):
+    """(EvalModel, tokenizer): everything load_for_eval checks, no weights read."""
     from train.model import load_tokenizer
 
     plan = plan_model(args)
@@ -202,7 +216,7 @@ def load_for_eval(args: EvalArgs, output: str | None = None):
     check_task_lengths(tokenizer, args.tasks, args.lengths)
     if output is not None:
         run_dir.check_writable(os.path.dirname(output) or ".", "--output_json's directory")
-    return _load_weights(plan), tokenizer
+    return plan, tokenizer
 
 
 def _load_weights(plan: EvalModel):
@@ -223,11 +237,20 @@ def parse_args(argv=None) -> EvalArgs:
         args.bits = 4
     if args.tasks is not None:
         args.tasks = check_task_names(args.tasks)
+    if args.lm_eval_tasks is not None:
+        from train import harness
+
+        if args.sequence_parallel > 1:
+            raise UserError("--lm_eval_tasks runs in one process (lm-eval's loop cannot split a prompt over "
+                            "processes); drop --sequence_parallel")
+        args.lm_eval_tasks = harness.check_tasks(args.lm_eval_tasks)
+        if args.tasks is None:
+            args.tasks = []  # only lm-eval's, unless --tasks names ours too
     if any(not 0 <= depth <= 1 for depth in args.depths or []):
         raise UserError(f"--depths must be fractions in [0, 1], got {args.depths}")
     if (args.trials is not None and args.trials < 1) or any(length < 1 for length in args.lengths or []):
         raise UserError("--trials and every --lengths value must be positive integers")
-    for name in ("batch_size", "max_docs", "max_seq_len", "ppl_buckets", "sequence_parallel"):
+    for name in ("batch_size", "max_docs", "max_seq_len", "ppl_buckets", "sequence_parallel", "lm_eval_limit"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     return args
@@ -277,7 +300,13 @@ def run(args: EvalArgs) -> dict:
     output = output_path(args)
     split = split_layout(args)
     main_process = split is None or torch.distributed.get_rank() == 0
-    model, tokenizer = load_for_eval(args, output)
+    plan, tokenizer = prepare(args, output)
+    prompts = None
+    if args.lm_eval_tasks:
+        from train import harness
+
+        prompts = harness.build_tasks(tokenizer, plan.tokenizer_source, args.lm_eval_tasks, args.lengths)
+    model = _load_weights(plan)
     if split is not None:
         model = _patched_for_split(model)
     tasks = evaluate_tasks(model, tokenizer, args.tasks, lengths=args.lengths, depths=args.depths,
@@ -303,6 +332,13 @@ def run(args: EvalArgs) -> dict:
         result["perplexity_by_position"] = by_position["buckets"]
         if main_process:
             print(format_perplexity(by_position, max_seq_len))
+    if prompts is not None:
+        from train import harness
+
+        raw = harness.simple_evaluate(model, tokenizer, prompts, limit=args.lm_eval_limit,
+                                      batch_size=args.batch_size, patched=not args.lm_eval_stock)
+        result["lm_eval"] = harness.summarise(raw, prompts, args.lm_eval_limit, patched=not args.lm_eval_stock)
+        print(harness.format_results(result["lm_eval"]))
     config = model.get_base_model().config if args.adapter else model.config
     result["rope_parameters"] = config.rope_parameters
     result["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
