@@ -149,3 +149,34 @@ def test_cli_runs_offline_tasks_on_the_patched_model(prompts, stock_run, tmp_pat
     expected = harness.summarise(stock_run, prompts[1], LIMIT, False)["tasks"]
     assert result["lm_eval"]["tasks"] == json.loads(json.dumps(expected))  # patched CLI = stock
     assert "RULER on the patched model" in printed and all(name in printed for name in TASKS)
+
+
+@needs_lm_eval
+def test_adapter_run_4bit_yarn_patched_equals_stock(tmp_path, capsys):
+    """A train.qlora run's model as train.eval loads it (4-bit base, YaRN, LoRA adapter: a PeftModel) through HFLM:
+    the CLI runs, and the patched model generates what the stock one does."""
+    from cli_helpers import save_tiny_llama
+    from train.args import parse_args as train_args
+    from train.eval import load_for_eval, parse_args
+    from train.qlora import run
+
+    save_tiny_llama(tmp_path / "base")
+    run(train_args(["--model_name_or_path", str(tmp_path / "base"), "--dataset", "passkey", "--passkey_samples", "2",
+                    "--max_seq_len", "256", "--rope_scaling", "yarn", "--output_dir", str(tmp_path / "run"),
+                    "--max_steps", "1", "--save_steps", "1", "--lora_r", "4", "--bits", "4"]))
+    argv = ["--adapter", str(tmp_path / "run"), "--lm_eval_tasks", "niah_single_1", "--lengths", str(LENGTH),
+            "--lm_eval_limit", "1", "--output_json", str(tmp_path / "eval.json")]
+    assert main(argv) == 0
+    assert "niah_single_1" in json.loads((tmp_path / "eval.json").read_text())["lm_eval"]["tasks"]
+    capsys.readouterr()
+    args = parse_args(argv)
+    model, tokenizer = load_for_eval(args)
+    assert type(model).__name__.startswith("Peft") and model.get_base_model().config.rope_parameters["rope_type"] == \
+        "yarn"
+    built = harness.build_tasks(tokenizer, str(tmp_path / "run"), ["niah_single_1"], [LENGTH])
+    texts = {}
+    for patched in (False, True):
+        raw = harness.simple_evaluate(model, tokenizer, built, limit=1, patched=patched, bpt_options=SMALL_BLOCKS,
+                                      log_samples=True)
+        texts[patched] = [s["resps"] for s in raw["samples"]["niah_single_1"]]
+    assert texts[True] == texts[False] and texts[True][0][0][0]

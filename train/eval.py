@@ -5,6 +5,7 @@ perplexity (train.metrics) of a model.
     python -m train.eval --model_name_or_path M [--rope_scaling yarn --rope_factor 4] [--bits 4]
         [--tasks passkey niah_multikey variable_tracking] [--lengths 256 1024] [--depths 0 0.5 1] [--trials N]
         [--dataset FILE --text_field text] [--max_seq_len N] [--output_json F]
+        [--lm_eval_tasks ruler | niah_single_1 ... --lm_eval_limit N [--lm_eval_stock]]
 
 --adapter DIR reads the run's own files: its base model, RoPE scaling and bits from run_info.json (for
 a directory without one, such as checkpoint-N, the base from peft's adapter_config.json), and, unless
@@ -14,6 +15,8 @@ train.rope, exactly as training applies them. With neither --adapter nor a model
 it evaluates the tiny model shipped in train/assets/tiny-llama. The results go to --output_json, by default
 DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.json: one entry per task under
 "tasks" (each {"by_length_depth", "by_length", "accuracy"}), and passkey's also at the top level, as before tasks.
+--lm_eval_tasks runs lm-evaluation-harness's own RULER tasks on the same model, patched (train.harness): their
+scores by length go under "lm_eval".
 Flags follow train.qlora's conventions (train.args): a mistake is one `error:` line, exit 2.
 """
 from __future__ import annotations

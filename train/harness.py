@@ -147,7 +147,8 @@ def build_tasks(tokenizer, tokenizer_source: str, names: list[str], lengths: lis
     set_torch_seed(DEFAULT_OTHER_SEED)
     manager = TaskManager(metadata={"tokenizer": tokenizer_source, "max_seq_lengths": lengths})
     tasks = {}
-    with _quiet_lm_eval():
+    # Its generators print progress ("Downloaded punkt_tab on rank 0", "Num noises: ..."): stderr, the results stdout.
+    with _quiet_lm_eval(), contextlib.redirect_stdout(sys.stderr):
         for name in names:  # one at a time (the same random stream as all at once) to name the one that fails
             try:
                 tasks.update(manager.load([name])["tasks"])
