@@ -67,8 +67,8 @@ def test_lengths_lm_eval_cannot_build_are_one_error_line(capsys):
         harness.build_tasks(tokenizer, str(TINY_LLAMA_DIR), ["ruler_vt"], [8192])
     with pytest.raises(UserError, match="ruler_cwe at length 1024 needs"):
         harness.build_tasks(tokenizer, str(TINY_LLAMA_DIR), ["ruler_cwe"], [1024])
-    assert main(["--lm_eval_tasks", "niah_multikey_3", "--lengths", "256"]) == 2
-    assert "niah_multikey_3 cannot be built with --lengths 256" in error_line(capsys)
+    assert main(["--lm_eval_tasks", "niah_single_1", "--lengths", "200"]) == 2
+    assert "niah_single_1 cannot be built with --lengths 200" in error_line(capsys)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +118,8 @@ def test_patched_generates_what_stock_does_through_hflm(prompts, stock_run):
 def test_our_decoding_and_scoring_of_lm_eval_prompts_agree(prompts, stock_run):
     """lm-eval's prompts (prompt + references), decoded by train.metrics._greedy and scored by train.tasks: the
     same texts and per-prompt scores as lm-eval's, hence its per-length score."""
+    from lm_eval.tasks.ruler.common_utils import process_results
+
     from train.metrics import _greedy
     from train.tasks import string_match_all
 
@@ -135,6 +137,9 @@ def test_our_decoding_and_scoring_of_lm_eval_prompts_agree(prompts, stock_run):
             score = string_match_all(text, sample["doc"]["outputs"])
             assert score == sample[str(LENGTH)]
             ours.append(score)
+            outputs = sample["doc"]["outputs"]  # right, partly right and wrong answers to lm-eval's own prompts
+            for guess in (" " + ", ".join(outputs).upper() + ".\n", " " + outputs[0] + " and 1234567", " no"):
+                assert string_match_all(guess, outputs) == process_results(sample["doc"], [guess])[str(LENGTH)]
         assert sum(ours) / len(ours) == summary["tasks"][name]["by_length"][LENGTH]
 
 
