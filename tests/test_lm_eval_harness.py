@@ -57,7 +57,7 @@ def test_offline_and_downloading_tasks_are_the_installed_ruler_group():
 
 
 @needs_lm_eval
-def test_lengths_lm_eval_cannot_build_are_one_error_line(capsys):
+def test_lengths_lm_eval_cannot_build_are_one_error_line(tmp_path, capsys):
     """ruler_vt's few-shot example is sized for 500 tokens, which the char-level tiny tokenizer cannot fit (lm-eval
     would loop forever); ruler_cwe below its size makes prompts with nothing to find; niah says so itself."""
     from transformers import AutoTokenizer
@@ -67,7 +67,8 @@ def test_lengths_lm_eval_cannot_build_are_one_error_line(capsys):
         harness.build_tasks(tokenizer, str(TINY_LLAMA_DIR), ["ruler_vt"], [8192])
     with pytest.raises(UserError, match="ruler_cwe at length 1024 needs"):
         harness.build_tasks(tokenizer, str(TINY_LLAMA_DIR), ["ruler_cwe"], [1024])
-    assert main(["--lm_eval_tasks", "niah_single_1", "--lengths", "200"]) == 2
+    assert main(["--lm_eval_tasks", "niah_single_1", "--lengths", "200", "--output_json", str(tmp_path / "r.json")]) \
+        == 2
     assert "niah_single_1 cannot be built with --lengths 200" in error_line(capsys)
 
 
