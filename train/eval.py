@@ -5,6 +5,7 @@ perplexity (train.metrics) of a model.
     python -m train.eval --model_name_or_path M [--rope_scaling yarn --rope_factor 4] [--bits 4]
         [--tasks passkey niah_multikey variable_tracking] [--lengths 256 1024] [--depths 0 0.5 1] [--trials N]
         [--dataset FILE --text_field text] [--max_seq_len N] [--output_json F]
+        [--lm_eval_tasks ruler | niah_single_1 ... --lm_eval_limit N [--lm_eval_stock]]
 
 Under `accelerate launch` (or torchrun) it evaluates in training's layout (train.split_eval): the prompts and documents
 shared out over the data-parallel groups, each split over --sequence_parallel N ranks, the layers sliced over
@@ -19,6 +20,8 @@ train.rope, exactly as training applies them. With neither --adapter nor a model
 it evaluates the tiny model shipped in train/assets/tiny-llama. The results go to --output_json, by default
 DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.json: one entry per task under
 "tasks" (each {"by_length_depth", "by_length", "accuracy"}), and passkey's also at the top level, as before tasks.
+--lm_eval_tasks runs lm-evaluation-harness's own RULER tasks on the same model, patched (train.harness): their
+scores by length go under "lm_eval".
 Flags follow train.qlora's conventions (train.args): a mistake is one `error:` line, exit 2.
 """
 from __future__ import annotations
@@ -71,7 +74,7 @@ class EvalArgs:
         None, f"Depths of the needle asked about (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))}).")
     trials: int | None = _opt(None, "Trials per (length, depth) (default: the run's, else 5).")
     seed: int | None = _opt(None, "Prompt seed (default: the run's evaluation seed, else 0).")
-    batch_size: int = _opt(8, "Passkey prompts decoded together (bounds memory).")
+    batch_size: int = _opt(8, "Prompts decoded together (bounds memory); lm-eval's, left-padded to the longest.")
     dataset: str | None = _opt(None, "Held-out documents for perplexity (local file/dir or hub name); no default: "
                                "without it, no perplexity.")
     text_field: str = _opt("text", "Column of --dataset holding the documents.")
@@ -91,6 +94,14 @@ class EvalArgs:
         "slicing); composes with --sequence_parallel (launch a multiple of N x SP processes).")
     fsdp: bool = _opt(False, "Shard the weights over every process with FSDP2, as train.qlora --fsdp does (also on "
                       "when launched with an accelerate FSDP config); composes with --sequence_parallel.")
+    lm_eval_tasks: list[str] | None = _opt(
+        None, "lm-evaluation-harness's RULER tasks (pip install -e \".[ruler]\"), run by lm-eval's own HF wrapper on "
+        "the patched model at each --lengths: ruler (all of these) or some of niah_single_1, niah_multikey_2, "
+        "niah_multikey_3, ruler_vt, ruler_cwe, ruler_fwe (the others download data). With it, --tasks runs only "
+        "when named.")
+    lm_eval_limit: int | None = _opt(None, "The first N of lm-eval's prompts per task and length (default: all 500, "
+                                     "RULER's count).")
+    lm_eval_stock: bool = _opt(False, "Run --lm_eval_tasks on the unpatched model (stock transformers), to compare.")
     output_json: str | None = _opt(None, "Where the results go (default: ADAPTER/eval_results.json with --adapter, "
                                    "else outputs/eval/<model directory name>.json).")
 
@@ -268,11 +279,22 @@ def parse_args(argv=None) -> EvalArgs:
         args.bits = 4
     if args.tasks is not None:
         args.tasks = check_task_names(args.tasks)
+    if args.lm_eval_tasks is not None:
+        from train import harness
+
+        if args.sequence_parallel > 1 or args.tensor_parallel > 1 or args.fsdp or launched_world_size() > 1:
+            raise UserError("--lm_eval_tasks runs in one process (lm-eval's loop cannot share or split its prompts "
+                            "over processes); run it without accelerate launch, --sequence_parallel, "
+                            "--tensor_parallel and --fsdp")
+        args.lm_eval_tasks = harness.check_tasks(args.lm_eval_tasks)
+        if args.tasks is None:
+            args.tasks = []  # only lm-eval's, unless --tasks names ours too
     if any(not 0 <= depth <= 1 for depth in args.depths or []):
         raise UserError(f"--depths must be fractions in [0, 1], got {args.depths}")
     if (args.trials is not None and args.trials < 1) or any(length < 1 for length in args.lengths or []):
         raise UserError("--trials and every --lengths value must be positive integers")
-    for name in ("batch_size", "max_docs", "max_seq_len", "ppl_buckets", "sequence_parallel", "tensor_parallel"):
+    for name in ("batch_size", "max_docs", "max_seq_len", "ppl_buckets", "sequence_parallel", "tensor_parallel",
+                 "lm_eval_limit"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
     return args
@@ -320,6 +342,11 @@ def run(args: EvalArgs) -> dict:
 
     output = output_path(args)
     plan, tokenizer = _prepare(args, output)
+    prompts = None
+    if args.lm_eval_tasks:  # built before any weights load (train.harness)
+        from train import harness
+
+        prompts = harness.build_tasks(tokenizer, plan.tokenizer_source, args.lm_eval_tasks, args.lengths)
     layout = start_layout(args)
     main_process = layout is None or layout.rank == 0
     model = _load_weights(plan) if layout is None else _load_in_layout(plan, args, layout)
@@ -350,6 +377,13 @@ def run(args: EvalArgs) -> dict:
         result["perplexity_by_position"] = by_position["buckets"]
         if main_process:
             print(format_perplexity(by_position, max_seq_len))
+    if prompts is not None:
+        from train import harness
+
+        raw = harness.simple_evaluate(model, tokenizer, prompts, limit=args.lm_eval_limit,
+                                      batch_size=args.batch_size, patched=not args.lm_eval_stock)
+        result["lm_eval"] = harness.summarise(raw, prompts, args.lm_eval_limit, patched=not args.lm_eval_stock)
+        print(harness.format_results(result["lm_eval"]))
     config = model.get_base_model().config if args.adapter else model.config
     result["rope_parameters"] = config.rope_parameters
     result["max_position_embeddings"] = getattr(config, "max_position_embeddings", None)
