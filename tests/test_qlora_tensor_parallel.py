@@ -316,8 +316,16 @@ def _tensor_parallel_x_fsdp(tiny, wide, tmp_path, bits: int, *extra):
 
 
 def test_four_processes_as_tensor_parallel_x_fsdp_match_one_process(tiny, wide, tmp_path):
-    """--bits 16: each rank stores a quarter of every sliced layer."""
+    """--bits 16: each rank stores a quarter of every sliced layer. Then TP 2 x SP 2 x FSDP: the ranks holding the same
+    slices are the sequence-parallel pair (0, 2) / (1, 3), each with its shard of both rows; FSDP shards over them."""
     _tensor_parallel_x_fsdp(tiny, wide, tmp_path, 16)
+    split = tmp_path / "split"
+    done = _launch(_argv(tiny, wide, split, "--bits", 16, "--tensor_parallel", 2, "--sequence_parallel", 2, "--fsdp"),
+                   4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("sequences split 2 ways (ring); layers split 2 ways (tensor parallel); FSDP2 over the 2 process(es) "
+            "holding each slice") in done.stderr
+    _same_run(tmp_path / "one", split)
 
 
 def test_tensor_parallel_x_fsdp_at_4_bits_matches_one_process_and_resumes(tiny, wide, tmp_path):
