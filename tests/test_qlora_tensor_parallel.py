@@ -345,6 +345,15 @@ def test_tensor_parallel_x_fsdp_at_4_bits_matches_one_process_and_resumes(tiny, 
     assert all(torch.allclose(b[name], a[name], rtol=0, atol=1e-6) for name in a)
 
 
+def test_tensor_parallel_x_fsdp_with_cpu_offload_is_refused_before_loading(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as under accelerate launch (refused before any process group is needed)
+    assert main(base_argv(tiny, tmp_path / "run", "--tensor_parallel", 2, "--fsdp", "--fsdp_cpu_offload")) == 2
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("error: --fsdp_cpu_offload is not built for --tensor_parallel (its gradient "
+                                            "sums run on the devices); drop --fsdp_cpu_offload or --tensor_parallel")
+
+
 def test_fsdp_with_as_many_processes_as_tensor_parallel_ranks_trains_unsharded_with_a_note(tiny, monkeypatch, capsys):
     """Under TP, FSDP shards each slice over the ranks holding it: with N processes for --tensor_parallel N that is
     one, so --fsdp is dropped (as with one process), said once, by the main process."""

@@ -250,10 +250,9 @@ def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
     the caller) and this rank's RNG from `path` on every rank (the weights went in earlier: load_weights); return its
     state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
 
     from train.deepspeed import load_optimizer_state, partitioned
-
-    from torch.distributed.tensor import DTensor
 
     state = read_state(path)
     sliced = any(hasattr(p, "tp_dim") for p in model.parameters())

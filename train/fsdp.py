@@ -64,6 +64,9 @@ def check_fsdp(args, config) -> None:
                   "slice over them)", file=sys.stderr, flush=True)
         args.fsdp = False
         return
+    if tp > 1 and args.fsdp_cpu_offload:  # the tensor-parallel gradient sums and norms would meet host tensors
+        raise UserError("--fsdp_cpu_offload is not built for --tensor_parallel (its gradient sums run on the "
+                        "devices); drop --fsdp_cpu_offload or --tensor_parallel")
     refuse_unshardable(
         args, config,
         int8="--fsdp shards 4-bit (--bits 4) or unquantised (--bits 16) bases; bitsandbytes int8 weights cannot be "
