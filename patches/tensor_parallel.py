@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 STYLES = ("colwise", "rowwise")
 # Modules left whole on every rank whose weight gradient is a per-rank share (Qwen3's q_norm / k_norm, applied to
@@ -254,7 +255,8 @@ def _slice_4bit(layer, style: str, rank: int, size: int, parts=None) -> None:
         absmax = dequantize_blockwise(state.absmax, state.state2)
         absmax += state.offset
     absmax = absmax.float()
-    packed = weight.data.reshape(-1)
+    storage = weight.data.dtype  # uint8, or a float dtype holding the same bytes (FSDP: train.model)
+    packed = weight.data.reshape(-1).view(torch.uint8)  # two weights a byte
     if style == "colwise":
         ranges = _row_ranges(out_features, parts, rank, size)
         if any(start * in_features % block or stop * in_features % block for start, stop in ranges):
@@ -271,9 +273,11 @@ def _slice_4bit(layer, style: str, rank: int, size: int, parts=None) -> None:
         shape = torch.Size([out_features, cols])
     local = QuantState(absmax=absmax.reshape(-1).contiguous(), shape=shape, code=state.code, blocksize=block,
                        quant_type=state.quant_type, dtype=state.dtype)
-    layer.weight = bnb.nn.Params4bit(packed.contiguous().reshape(-1, 1), requires_grad=False, quant_state=local,
-                                     blocksize=block, compress_statistics=False, quant_type=state.quant_type,
-                                     quant_storage=weight.data.dtype, module=layer, bnb_quantized=True)
+    # A block (64 weights, 32 bytes) fills whole elements of any storage dtype: the slice stays in it.
+    packed = packed.contiguous().reshape(-1).view(storage).reshape(-1, 1)
+    layer.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=local, blocksize=block,
+                                     compress_statistics=False, quant_type=state.quant_type, quant_storage=storage,
+                                     module=layer, bnb_quantized=True)
     if hasattr(layer, "quant_state"):  # some bitsandbytes versions keep a copy on the module
         layer.quant_state = local
     layer.out_features, layer.in_features = shape
@@ -409,14 +413,26 @@ class _LocalHeads:
 
 # ---------------------------------------------------------------- training: gradients, norm, state
 
+# What tensor_parallel marks on the parameters it slices (tp_dim, tp_group, tp_parts) or leaves whole with partial
+# gradients (tp_partial): FSDP2 replaces the parameters by its shards, which get the same marks (train.fsdp).
+MARKS = ("tp_dim", "tp_group", "tp_parts", "tp_partial")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: an FSDP2 shard (DTensor) as a plain tensor sharing its storage."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def reduce_tensor_parallel_gradients(model, group=None, data_group=None) -> None:
     """Sum the replicated LoRA factors' gradients over the tensor-parallel `group`; then, with `data_group`, every
-    trainable gradient over the data-parallel group (in place of DDP, which would mix the ranks' slices)."""
+    trainable gradient over the data-parallel group (in place of DDP, which would mix the ranks' slices). Under FSDP2
+    (gradients already reduced over the ranks holding the same slices: no `data_group`) each rank sums its shard of
+    them: the ranks of a tensor-parallel group hold the same shard of a whole factor."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    _all_reduce([p.grad for p in params if getattr(p, "tp_partial", False)], group)
+    _all_reduce([_local(p.grad) for p in params if getattr(p, "tp_partial", False)], group)
     if data_group is not None and dist.get_world_size(data_group) > 1:
         _all_reduce([p.grad for p in params], data_group)
 
@@ -434,16 +450,26 @@ def _all_reduce(grads: list[torch.Tensor], group) -> None:
 
 def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: the 2-norm of the whole gradient (the sliced
-    parameters' squares summed over `group`, the whole ones counted once). Returns that norm."""
+    parameters' squares summed over `group`, the whole ones counted once). Gradients sharded by FSDP2 (DTensors) add
+    their shards' squares over the shard group first. Returns that norm."""
     params = [p for p in parameters if p.grad is not None]
-    sliced = [p.grad.float().pow(2).sum() for p in params if hasattr(p, "tp_dim")]
-    whole = [p.grad.float().pow(2).sum() for p in params if not hasattr(p, "tp_dim")]
-    sliced_sq = torch.stack(sliced).sum() if sliced else torch.zeros(())
-    dist.all_reduce(sliced_sq, group=group)
-    norm = (sliced_sq + (torch.stack(whole).sum() if whole else torch.zeros(()))).sqrt()
+    device = params[0].grad.device if params else torch.device("cpu")
+    sharded, plain = torch.zeros(2, device=device), torch.zeros(2, device=device)  # squares of [sliced, whole]
+    mesh = None
+    for p in params:
+        squares = plain
+        if isinstance(p.grad, DTensor):
+            mesh, squares = p.grad.device_mesh, sharded
+        squares[0 if hasattr(p, "tp_dim") else 1] += _local(p.grad).float().pow(2).sum()
+    if mesh is not None:
+        dist.all_reduce(sharded, group=mesh.get_group())
+    sliced, whole = (sharded + plain).unbind()
+    sliced = sliced.clone()
+    dist.all_reduce(sliced, group=group)
+    norm = (sliced + whole).sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in params:
-        p.grad.mul_(scale.to(p.grad.dtype))
+        _local(p.grad).mul_(scale.to(p.grad.dtype))
     return norm
 
 

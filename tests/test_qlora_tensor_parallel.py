@@ -1,6 +1,7 @@
 """`python -m train.qlora --tensor_parallel N` under `accelerate launch` (CPU processes over gloo): every layer split
 over the processes of a group, per-step losses, token counts and clipped gradient norms equal to one process training
-the same rows, the saved adapter (gathered to full shapes) equal to one process's; bad layouts refused."""
+the same rows, the saved adapter (gathered to full shapes) equal to one process's; with data parallelism, sequence
+parallelism and FSDP2 (each slice sharded over the ranks holding it); bad layouts refused."""
 from __future__ import annotations
 
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from cli_helpers import ENV, REPO, base_argv, losses, metrics, save_tiny_llama
+from qlora_storage import stored_bytes
 from train.args import parse_args
 from train.qlora import main, run
 
@@ -33,10 +35,9 @@ def _argv(tiny, wide, out, *extra) -> list[str]:
     return [*base_argv(tiny, out, *COMMON, "--save_steps", 2, *extra), "--model_name_or_path", str(wide)]
 
 
-def _launch(argv, processes: int) -> subprocess.CompletedProcess:
+def _launch(argv, processes: int, program=("-m", "train.qlora")) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", str(processes), "-m", "train.qlora",
-           *argv]
+           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", str(processes), *program, *argv]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
 
 
@@ -135,7 +136,6 @@ def test_the_layout_puts_tensor_parallel_innermost():
 @pytest.mark.parametrize("extra,message", [
     (("--tensor_parallel", 2), "error: --tensor_parallel 2 must divide the number of processes (1); launch a "
                                "multiple of 2 processes with accelerate launch --num_processes"),
-    (("--tensor_parallel", 2, "--fsdp"), "error: --tensor_parallel does not compose with --fsdp yet; drop one of them"),
     (("--tensor_parallel", 0), "error: --tensor_parallel must be a positive integer, got 0"),
     (("--tensor_parallel", 2, "--bits", 8),
      "error: --tensor_parallel slices 16-bit and 4-bit bases, not 8-bit ones: use --bits 4 or 16"),
@@ -262,3 +262,110 @@ def test_a_tensor_parallel_run_resumes_from_its_checkpoint(tiny, wide, tmp_path,
     assert losses(again) == pytest.approx(losses(first)[1:], rel=1e-6)
     a, b = _adapter(first), _adapter(again)
     assert all(torch.allclose(b[name], a[name], rtol=0, atol=1e-6) for name in a)
+
+
+COLWISE, ROWWISE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}, {"o_proj", "down_proj"}
+
+
+def _sliced(name: str) -> bool:
+    """Whether tensor parallelism slices this llama parameter: a planned layer's base weight, or the LoRA factor cut
+    with it (B under a column-parallel layer, A under a row-parallel one)."""
+    parts = name.split(".")
+    for part, styles in (("base_layer", COLWISE | ROWWISE), ("lora_A", ROWWISE), ("lora_B", COLWISE)):
+        if part in parts:
+            return parts[parts.index(part) - 1] in styles
+    return False
+
+
+def _tensor_parallel_x_fsdp(tiny, wide, tmp_path, bits: int, *extra):
+    """One process with a batch of two vs TP 2 x FSDP 2 on 4 processes: TP groups (0, 1) and (2, 3) take one row each;
+    ranks 0 and 2 (1 and 3) hold the same slices, which FSDP2 shards over them. Checks the run (_same_run) and what
+    each process stores: a quarter of every sliced weight (the 4-bit packed data too), half of every other (shards of
+    the copies whole on both TP ranks). Returns the 4-process run's output_dir."""
+    one = tmp_path / "one"
+    whole = stored_bytes(run(parse_args(_argv(tiny, wide, one, "--bits", bits, *extra))).model)
+    four, storage = tmp_path / "four", tmp_path / "storage"
+    storage.mkdir()
+    done = _launch(_argv(tiny, wide, four, "--bits", bits, *extra, "--per_device_train_batch_size", 1,
+                         "--tensor_parallel", 2, "--fsdp"), 4,
+                   program=(str(REPO / "tests/qlora_storage.py"), str(storage)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("on 4 process(es); layers split 2 ways (tensor parallel); FSDP2 over the 2 process(es) holding each "
+            "slice, the main one holding 50.0% of its slices") in done.stderr
+    assert [m["step"] for m in metrics(four)] == [1, 2]  # one writer
+    _same_run(one, four)
+    import json
+
+    held = [json.loads((storage / f"storage-{rank}.json").read_text()) for rank in range(4)]
+    assert all(h.keys() == whole.keys() for h in held)
+    assert sum(map(_sliced, whole)) == 2 * 7 * 2  # 2 layers x 7 layers x (base weight, cut factor)
+    for name, size in whole.items():
+        if _sliced(name):
+            assert [h[name] for h in held] == [size // 4] * 4, name
+        else:  # whole on both TP ranks, sharded over the two holding it
+            for first, second in ((0, 2), (1, 3)):
+                assert held[first][name] + held[second][name] == size and 0 < held[first][name] < size, name
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(wide), four)  # one process, full shapes
+    assert loaded.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.shape == (128, 4)
+    assert loaded.base_model.model.model.layers[0].mlp.down_proj.lora_A["default"].weight.abs().sum() > 0
+    return four
+
+
+def test_four_processes_as_tensor_parallel_x_fsdp_match_one_process(tiny, wide, tmp_path):
+    """--bits 16: each rank stores a quarter of every sliced layer. Then TP 2 x SP 2 x FSDP: the ranks holding the same
+    slices are the sequence-parallel pair (0, 2) / (1, 3), each with its shard of both rows; FSDP shards over them."""
+    _tensor_parallel_x_fsdp(tiny, wide, tmp_path, 16)
+    split = tmp_path / "split"
+    done = _launch(_argv(tiny, wide, split, "--bits", 16, "--tensor_parallel", 2, "--sequence_parallel", 2, "--fsdp"),
+                   4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("sequences split 2 ways (ring); layers split 2 ways (tensor parallel); FSDP2 over the 2 process(es) "
+            "holding each slice") in done.stderr
+    _same_run(tmp_path / "one", split)
+
+
+def test_tensor_parallel_x_fsdp_at_4_bits_matches_one_process_and_resumes(tiny, wide, tmp_path):
+    """--bits 4 (the packed data in float32 storage so FSDP can shard it, sliced at the same byte offsets); then the
+    run resumed from checkpoint-1 (whole adapter sliced and loaded before sharding; the whole optimizer state sliced,
+    then cut into the shards) repeats step 2 exactly."""
+    four = _tensor_parallel_x_fsdp(tiny, wide, tmp_path, 4, "--save_steps", 1)
+    again = tmp_path / "again"
+    resumed = _launch([*_argv(tiny, wide, again, "--bits", 4, "--save_steps", 1, "--per_device_train_batch_size", 1,
+                              "--tensor_parallel", 2, "--fsdp"), "--resume_from_checkpoint", str(four / "checkpoint-1")],
+                      4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "checkpoint-1 at step 1" in resumed.stderr
+    assert [m["step"] for m in metrics(again)] == [2]
+    assert losses(again) == pytest.approx(losses(four)[1:], rel=1e-6)
+    a, b = _adapter(four), _adapter(again)
+    assert all(torch.allclose(b[name], a[name], rtol=0, atol=1e-6) for name in a)
+
+
+def test_tensor_parallel_x_fsdp_with_cpu_offload_is_refused_before_loading(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as under accelerate launch (refused before any process group is needed)
+    assert main(base_argv(tiny, tmp_path / "run", "--tensor_parallel", 2, "--fsdp", "--fsdp_cpu_offload")) == 2
+    err = capsys.readouterr().err
+    assert "Loading weights" not in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("error: --fsdp_cpu_offload is not built for --tensor_parallel (its gradient "
+                                            "sums run on the devices); drop --fsdp_cpu_offload or --tensor_parallel")
+
+
+def test_fsdp_with_as_many_processes_as_tensor_parallel_ranks_trains_unsharded_with_a_note(tiny, monkeypatch, capsys):
+    """Under TP, FSDP shards each slice over the ranks holding it: with N processes for --tensor_parallel N that is
+    one, so --fsdp is dropped (as with one process), said once, by the main process."""
+    from train.fsdp import check_fsdp
+    from train.model import load_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = load_config(str(tiny / "model"), False)
+    for rank, said in (("1", ""), ("0", "note: --fsdp with --tensor_parallel 2 on 2 processes has nothing to shard "
+                                         "over (each slice is held by one process); training unsharded (launch a "
+                                         "multiple of 2 processes to shard each slice over them)\n")):
+        monkeypatch.setenv("RANK", rank)
+        args = parse_args(base_argv(tiny, "out", "--tensor_parallel", 2, "--fsdp"))
+        check_fsdp(args, config)
+        assert args.fsdp is False and capsys.readouterr().err == said

@@ -234,3 +234,31 @@ def test_impossible_splits_are_refused(overrides, size, bits, message):
     with pytest.raises(ValueError, match=message):
         check_tensor_parallel(_config(**overrides), size, bits=bits)
     check_tensor_parallel(_config(), 2, bits=bits)  # the same family at a size that fits
+
+
+@pytest.mark.parametrize("storage", [torch.uint8, torch.float32, torch.bfloat16])
+def test_4bit_slices_are_the_same_bytes_in_any_storage(storage):
+    """The packed 4-bit data in uint8 (as loaded for one process) or in the compute dtype (as loaded for FSDP: the same
+    bytes, 8 or 4 weights an element): each rank's dequantised slice (column-, row-parallel, fused parts) equals the
+    same slice of the one-process weight, bit for bit, and stays in the storage dtype. No processes: the slicing only
+    reads the rank."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    from patches.tensor_parallel import _row_ranges, _slice_4bit
+
+    weight = torch.randn(192, 128, generator=torch.Generator().manual_seed(0))
+    packed, state = quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4",
+                                  quant_storage=storage)
+    whole = dequantize_4bit(packed, state)
+    for style, parts in (("colwise", None), ("colwise", [128, 64]), ("rowwise", None)):
+        for rank in range(2):
+            layer = bnb.nn.Linear4bit(128, 192, bias=False, compute_dtype=torch.float32, quant_storage=storage)
+            layer.weight = bnb.nn.Params4bit(packed.clone(), requires_grad=False, quant_state=state, blocksize=64,
+                                             compress_statistics=True, quant_type="nf4", quant_storage=storage,
+                                             module=layer, bnb_quantized=True)
+            _slice_4bit(layer, style, rank, 2, parts)
+            expected = torch.cat([whole[a:b] for a, b in _row_ranges(192, parts, rank, 2)]) if style == "colwise" \
+                else whole[:, rank * 64:(rank + 1) * 64]
+            assert layer.weight.dtype == storage
+            assert torch.equal(dequantize_4bit(layer.weight.data, layer.weight.quant_state), expected), (style, parts)

@@ -138,11 +138,12 @@ class TrainArguments:
         "accelerate launch starts; data parallel over the groups; the number of processes must be a multiple of N). "
         "Families with a plain colwise / rowwise tp plan in transformers; at --bits 4 each slice must hold whole "
         "64-weight quantisation blocks. With --sequence_parallel M: groups of N x M processes, each sequence split M "
-        "ways over ranks holding the same slices. Not with --fsdp yet.")
+        "ways over ranks holding the same slices. With --fsdp each slice is sharded over the ranks holding it.")
     sp_mode: str = _opt("ring", "Sequence-parallel attention: ring (any head count; not ALiBi-bias families or "
                         "attention sinks) or ulysses (query heads must divide by N).", choices=("ring", "ulysses"))
     fsdp: bool = _opt(False, "Shard the (4-bit) base and LoRA over every process with FSDP2 (torch fully_shard), so "
-                      "a model too large for one device trains; also on when launched with an accelerate FSDP config.")
+                      "a model too large for one device trains (with --tensor_parallel N: each slice over the "
+                      "processes holding it); also on when launched with an accelerate FSDP config.")
     fsdp_cpu_offload: bool = _opt(False, "With --fsdp: keep each process's weight shards, gradients and optimizer "
                                   "state in host memory (FSDP2 CPUOffloadPolicy, pinned on GPUs); each layer's shards "
                                   "come to the device for its compute, and the optimizer steps on the CPU.")

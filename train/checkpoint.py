@@ -168,17 +168,20 @@ def gathered_states(model, optimizer, main: bool) -> tuple[dict, dict]:
 
 def _gather_tensor_parallel_state(model, state: dict) -> dict:
     """A copy of `state` with the optimizer state of parameters sliced by patches.tensor_parallel (exp_avg, ...:
-    their shape) whole. A copy: the dicts inside `state` are the optimizer's own."""
+    their shape) whole: FSDP2 shards (DTensors, under --fsdp) gathered over their group first, then the slices over
+    the tensor-parallel group. A copy: the dicts inside `state` are the optimizer's own."""
+    from torch.distributed.tensor import DTensor
+
     from patches.tensor_parallel import gather_param
 
     state = {**state, "state": {name: dict(entry) for name, entry in state["state"].items()}}
-    for name, param in model.named_parameters():
-        if hasattr(param, "tp_dim"):
-            entry = state["state"][name]
-            for key in sorted(entry):
-                if torch.is_tensor(entry[key]) and entry[key].shape == param.shape:
-                    entry[key] = gather_param(entry[key], param.tp_dim, param.tp_group,
-                                              getattr(param, "tp_parts", None))
+    for name, param in model.named_parameters():  # the same order on every rank: each gather is a collective
+        entry = state["state"].get(name, {})
+        for key in sorted(entry):
+            if isinstance(entry[key], DTensor):
+                entry[key] = entry[key].full_tensor()
+            if hasattr(param, "tp_dim") and torch.is_tensor(entry[key]) and entry[key].shape == param.shape:
+                entry[key] = gather_param(entry[key], param.tp_dim, param.tp_group, getattr(param, "tp_parts", None))
     for entry in state["state"].values():  # on the host, as the full state dict's cpu_offload gives it
         for key in entry:
             if torch.is_tensor(entry[key]):
@@ -247,11 +250,13 @@ def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
     the caller) and this rank's RNG from `path` on every rank (the weights went in earlier: load_weights); return its
     state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
 
     from train.deepspeed import load_optimizer_state, partitioned
 
     state = read_state(path)
     sliced = any(hasattr(p, "tp_dim") for p in model.parameters())
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())  # FSDP2: whole tensors cut into the shards
     try:
         saved = torch.load(os.path.join(path, "optimizer.pt"), weights_only=False)
         if partitioned(model):  # into DeepSpeed ZeRO-3's flat partitions
@@ -260,7 +265,7 @@ def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
             if sliced:  # patches.tensor_parallel: this rank's slices of the whole state
                 _slice_tensor_parallel_state(model, saved)
             set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), saved,
-                                     options=StateDictOptions(full_state_dict=not sliced))
+                                     options=StateDictOptions(full_state_dict=sharded or not sliced))
         if scheduler is not None:
             scheduler.load_state_dict(torch.load(os.path.join(path, "scheduler.pt"), weights_only=False))
         rng_states = torch.load(os.path.join(path, "rng_state.pt"), weights_only=False)

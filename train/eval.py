@@ -266,8 +266,8 @@ def _load_in_layout(plan: EvalModel, args: EvalArgs, layout):
         slice_model(model, args.tensor_parallel, layout.tp_group)
     if args.sequence_parallel > 1 and not is_patched(model):
         apply_bpt_patch(model, eval_logits=False)  # loss-only in eval mode, as training patches it
-    if args.fsdp:
-        shard_model(model)
+    if args.fsdp:  # under TP each slice over the ranks holding it, as training shards it
+        shard_model(model, group=layout.tp_data_group if args.tensor_parallel > 1 else None)
     return model
 
 

@@ -18,6 +18,10 @@ What sharding asks of the rest of the run:
 - Gradients are reduce-scattered as averages over all processes, as DDP's are: the loss scaling of
   train.loop.train_step holds unchanged, with or without sequence parallelism (FSDP over all processes, each
   sequence-parallel group inside it).
+- With tensor parallelism (`--tensor_parallel N --fsdp`) each rank's modules are its slices
+  (patches.tensor_parallel), sharded over the ranks holding the same slices only (its FSDP group: world / N
+  processes), whose gradient average train.loop turns into a sum; the whole LoRA factors' shards are then summed over
+  the tensor-parallel group, as without FSDP.
 """
 from __future__ import annotations
 
@@ -47,11 +51,22 @@ def check_fsdp(args, config) -> None:
         raise UserError("--fsdp_cpu_offload offloads FSDP's shards: add --fsdp (and launch several processes)")
     if not args.fsdp:
         return
-    if launched_world_size() == 1:
+    world, tp = launched_world_size(), getattr(args, "tensor_parallel", 1)
+    if world == 1:
         print("note: --fsdp with one process has nothing to shard over; running unsharded (launch several "
               "processes with accelerate launch --num_processes N to shard)", file=sys.stderr, flush=True)
         args.fsdp = False
         return
+    if world == tp:  # under TP, FSDP shards each slice over the ranks holding it: here one
+        if os.environ.get("RANK", "0") == "0":  # every rank checks; the main one says it
+            print(f"note: --fsdp with --tensor_parallel {tp} on {tp} processes has nothing to shard over (each slice "
+                  f"is held by one process); running unsharded (launch a multiple of {tp} processes to shard each "
+                  "slice over them)", file=sys.stderr, flush=True)
+        args.fsdp = False
+        return
+    if tp > 1 and getattr(args, "fsdp_cpu_offload", False):  # the tensor-parallel gradient sums and norms would meet host tensors
+        raise UserError("--fsdp_cpu_offload is not built for --tensor_parallel (its gradient sums run on the "
+                        "devices); drop --fsdp_cpu_offload or --tensor_parallel")
     refuse_unshardable(
         args, config,
         int8="--fsdp shards 4-bit (--bits 4) or unquantised (--bits 16) bases; bitsandbytes int8 weights cannot be "
@@ -106,13 +121,24 @@ def trainable_in_fp32(model) -> None:
             param.data = param.data.float()
 
 
-def shard_model(model, cpu_offload: bool = False) -> None:
+def shard_model(model, cpu_offload: bool = False, group=None) -> None:
     """fully_shard every decoder layer of `model` (a peft model or a transformers one), then its transformers root,
-    in place; cpu_offload: the shards, their gradients (and so the optimizer step) live in host memory, pinned where
-    CUDA is (pinning needs it). Raises ValueError for 4-bit data in uint8 storage."""
+    in place, over `group` (default: every process); cpu_offload: the shards, their gradients (and so the optimizer
+    step) live in host memory, pinned where CUDA is (pinning needs it). Raises ValueError for 4-bit data in uint8
+    storage. Under tensor parallelism `group` is the ranks holding the same slices: each shards its own slices, and
+    the shards keep the slices' marks (patches.tensor_parallel.MARKS)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    from patches.tensor_parallel import MARKS
+
     check_storage(model)
+    mesh = None
+    if group is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(group, "cuda" if torch.cuda.is_available() else "cpu")
+    marks = {name: {mark: getattr(param, mark) for mark in MARKS if hasattr(param, mark)}
+             for name, param in model.named_parameters()}
     trainable_in_fp32(model)
     model.train()
     root = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -122,8 +148,11 @@ def shard_model(model, cpu_offload: bool = False) -> None:
         raise ValueError(f"{type(root).__name__} names no decoder layer class (_no_split_modules) to shard by")
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for layer in layers:
-        fully_shard(layer, offload_policy=policy)
-    fully_shard(root, offload_policy=policy)
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    fully_shard(root, mesh=mesh, offload_policy=policy)
+    for name, param in model.named_parameters():  # FSDP2 put new parameters (its shards) in place
+        for mark, value in marks[name].items():
+            setattr(param, mark, value)
 
 
 def local_share(model) -> float:
@@ -153,10 +182,10 @@ def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
 
                 with GatheredParameters([param]):
                     full = param.data.detach().cpu().clone()
-            elif hasattr(param, "tp_dim"):
-                full = gather_param(param.detach(), param.tp_dim, param.tp_group, getattr(param, "tp_parts", None))
-            else:
+            else:  # FSDP2 shards gathered over their group, then tensor-parallel slices over theirs
                 full = param.full_tensor() if isinstance(param, DTensor) else param
+                if hasattr(param, "tp_dim"):
+                    full = gather_param(full.detach(), param.tp_dim, param.tp_group, getattr(param, "tp_parts", None))
             if keep:
                 state[name] = full.detach().cpu()
     return state

@@ -138,6 +138,10 @@ def accumulate(model, group: list[dict], accelerator, layout: Layout) -> tuple[f
     tokens = accelerator.reduce(sum(_tokens(b) for b in group).to(device), "sum") // copies
     total = torch.zeros((), device=device)
     engine = model if deepspeed.is_engine(model) else None  # ZeRO-3: the engine reduces at the step's boundary
+    # The ranks DDP / FSDP average each gradient over: all of them; under TP (no DDP) none, or with FSDP the ranks
+    # holding the same slices.
+    averaged_over = accelerator.num_processes if tensor_parallel == 1 else \
+        (layout.world // tensor_parallel if layout.fsdp else 1)
     for i, micro in enumerate(group):
         micro = {k: v.to(device) for k, v in micro.items()}
         split = contextlib.nullcontext()
@@ -151,17 +155,17 @@ def accumulate(model, group: list[dict], accelerator, layout: Layout) -> tuple[f
         with sync, split:  # backward inside: gradient checkpointing recomputes the attention there
             with accelerator.autocast():  # (a model sharded by FSDP is not wrapped by accelerate.prepare)
                 loss = model(**micro).loss
-            # DDP averages gradients over ranks; the normalisation above already is global (the ranks' losses
-            # sum to the step's mean token loss). Under TP there is no DDP: the gradients are summed below.
+            # The normalisation above already is global (the ranks' losses sum to the step's mean token loss):
+            # undo the averaging. Under TP without FSDP the gradients are summed below.
             if engine:
                 deepspeed.backward(engine, loss * accelerator.num_processes, boundary=last)
             else:
-                accelerator.backward(loss * (accelerator.num_processes if tensor_parallel == 1 else 1))
+                accelerator.backward(loss * averaged_over)
         total += loss.detach().float()
     if tensor_parallel > 1:
         from patches.tensor_parallel import reduce_tensor_parallel_gradients
 
-        reduce_tensor_parallel_gradients(model, layout.tp_group, layout.tp_data_group)
+        reduce_tensor_parallel_gradients(model, layout.tp_group, None if layout.fsdp else layout.tp_data_group)
     # Every rank of a TP group computed the same loss (share): count it once; the SP ranks' shares sum.
     return accelerator.reduce(total, "sum").item() / tensor_parallel, int(tokens.item())
 

@@ -7,7 +7,8 @@ rank = (dp_index * SP + sp_index) * TP + tp_index (tp innermost): a tensor-paral
 (they hold the same tokens: the same sequence shard); a sequence-parallel group is the SP ranks of one data group with
 the same tp_index (strided by TP; consecutive when TP = 1). With SP = TP = 1 this is plain data parallelism (DDP over
 every process). Under TP there is no DDP: the ranks holding the same slices (the same tp_index, across sp and dp) sum
-their gradients themselves (each sp rank's loss is a share of its sequences' loss, each dp rank's of the step's).
+their gradients themselves (each sp rank's loss is a share of its sequences' loss, each dp rank's of the step's), or,
+with --fsdp, FSDP2 shards those slices over them and reduces their gradients (train.fsdp).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Layout:
     tensor_parallel: int = 1  # processes per layer slice set
     tp_group: object = None  # this rank's tensor-parallel group (None when tensor_parallel = 1)
     tp_data_group: object = None  # the ranks holding the same slices as this one (under TP)
+    fsdp: bool = False  # FSDP2 shards the weights (over every process; under TP over tp_data_group)
 
     @property
     def copies(self) -> int:
@@ -76,8 +78,6 @@ def check_tensor_parallel_layout(args, world: int) -> None:
     n = args.tensor_parallel
     if n == 1:
         return
-    if args.fsdp:
-        raise UserError("--tensor_parallel does not compose with --fsdp yet; drop one of them")
     if args.bits == 8:
         raise UserError("--tensor_parallel slices 16-bit and 4-bit bases, not 8-bit ones: use --bits 4 or 16")
     _must_divide(f"--tensor_parallel {n}", n, world)
@@ -115,4 +115,4 @@ def make_layout(world: int, rank: int, args) -> Layout:
 
         group, tp_group, tp_data_group = mesh_groups(n, tp)
     return Layout(world=world, rank=rank, sequence_parallel=n, mode=args.sp_mode, group=group,
-                  tensor_parallel=tp, tp_group=tp_group, tp_data_group=tp_data_group)
+                  tensor_parallel=tp, tp_group=tp_group, tp_data_group=tp_data_group, fsdp=args.fsdp)

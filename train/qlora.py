@@ -326,7 +326,8 @@ def run(args: Args) -> RunResult:
     model, _handle = build_model(args, plan.config, accelerator.device, shardable=zero3 is not None,
                                  tp_group=layout.tp_group, weights_from=plan.resume_path)
     if args.fsdp:
-        shard_model(model, cpu_offload=args.fsdp_cpu_offload)  # the optimizer must see the shards
+        # the optimizer must see the shards; under TP each slice is sharded over the ranks holding it
+        shard_model(model, cpu_offload=args.fsdp_cpu_offload, group=layout.tp_data_group)
     optimizer = loop.make_optimizer(model, args)
     scheduler = loop.make_scheduler(optimizer, args, steps)
     if zero3:  # the engine partitions the model and steps the optimizer; the scheduler drives its param groups
@@ -342,9 +343,7 @@ def run(args: Args) -> RunResult:
                                  if layout.sequence_parallel > 1 else "")
               + (f"; layers split {layout.tensor_parallel} ways (tensor parallel)" if layout.tensor_parallel > 1 else "")
               + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else "")
-              + (f"; FSDP2 over {accelerator.num_processes} process(es), the main one holding "
-                 f"{100 * local_share(model):.1f}% of the weights"
-                 + (" in host memory" if args.fsdp_cpu_offload else "") if args.fsdp else "")
+              + (fsdp_note(args, layout, local_share(model)) if args.fsdp else "")
               + (f"; DeepSpeed ZeRO-3 over {accelerator.num_processes} process(es), the main one holding "
                  f"{100 * deepspeed.local_share(model):.1f}% of the weights"
                  + (" in host memory" if zero3.offload_param else "")
@@ -394,6 +393,15 @@ def run(args: Args) -> RunResult:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return RunResult(model=trained, tokenizer=tokenizer, losses=losses, eval=evals or None)
+
+
+def fsdp_note(args: Args, layout, share: float) -> str:
+    """How FSDP2 split the weights, for the run's opening line; `share`: the main process's part of what it holds."""
+    where = " in host memory" if args.fsdp_cpu_offload else ""
+    if layout.tensor_parallel == 1:
+        return f"; FSDP2 over {layout.world} process(es), the main one holding {100 * share:.1f}% of the weights{where}"
+    return (f"; FSDP2 over the {layout.world // layout.tensor_parallel} process(es) holding each slice, the main one "
+            f"holding {100 * share:.1f}% of its slices{where}")
 
 
 def finished_message(args: Args, steps: int) -> str:
