@@ -84,14 +84,15 @@ def test_two_processes_in_a_training_layout_equal_one_process(tmp_path, one_proc
 @pytest.mark.parametrize("world,extra,message", [
     (1, ("--sequence_parallel", 2), "error: --sequence_parallel 2 must divide the number of processes (1); launch a "
                                     "multiple of 2 processes with accelerate launch --num_processes"),
-    (2, ("--tensor_parallel", 2, "--fsdp"), "error: --tensor_parallel does not compose with --fsdp yet; drop one of "
-                                            "them"),
+    (4, ("--tensor_parallel", 2, "--sequence_parallel", 3),
+     "error: --tensor_parallel 2 x --sequence_parallel 3 must divide the number of processes (4); launch a multiple "
+     "of 6 processes with accelerate launch --num_processes"),
     (2, ("--fsdp", "--bits", 8), "error: --fsdp shards 4-bit (--bits 4) or unquantised (--bits 16) bases; "
                                  "bitsandbytes int8 weights cannot be sharded: choose --bits 4"),
     (16, ("--tensor_parallel", 2, "--sequence_parallel", 8, "--sp_mode", "ulysses"),
      "error: --sp_mode ulysses splits each rank's 4 query heads (8 / --tensor_parallel 2) over --sequence_parallel 8, "
      "so they must divide by 8; use --sp_mode ring or fewer tensor-parallel ranks"),
-], ids=["sp_world", "tp_fsdp", "fsdp_int8", "ulysses_local_heads"])
+], ids=["sp_world", "tp_x_sp_world", "fsdp_int8", "ulysses_local_heads"])
 def test_what_training_refuses_is_refused_with_its_line(tmp_path, capsys, monkeypatch, world, extra, message):
     """training's own checks and messages (train.parallel, train.fsdp), before any weights are read. The launcher's
     WORLD_SIZE is all the checks read, so one process stands for a launch of `world`."""
