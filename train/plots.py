@@ -71,7 +71,7 @@ def plot_accuracy(Figure, panels: dict, task: str, png: str) -> None:
     first = next(iter(panels.values()))["by_length_depth"]
     rows, columns = len(first), len(next(iter(first.values())))
     # Cells of about the same size whatever the grid: one length is a strip, not a tall block.
-    fig = Figure(figsize=(max(3.0, 0.9 * columns + 1.3) * len(panels) + 1.0, 0.55 * rows + 1.6), layout="constrained")
+    fig = Figure(figsize=(max(3.0, 0.75 * columns + 1.2) * len(panels) + 1.0, 0.55 * rows + 1.6), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     image = None
     for ax, (label, result) in zip(axes, panels.items()):
@@ -84,7 +84,8 @@ def plot_accuracy(Figure, panels: dict, task: str, png: str) -> None:
         ax.set_yticks(range(len(lengths)), [str(length) for length in lengths])
         for i, row in enumerate(grid):
             for j, value in enumerate(row):
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=12)
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=12,
+                        color="white" if value < 0.15 or value > 0.85 else "black")  # the map's dark ends
         ax.set(xlabel="needle depth", ylabel="context length", title=f"{label}: {result['accuracy']:.2f}")
     fig.suptitle(f"{task} accuracy by context length x depth")
     fig.colorbar(image, ax=list(axes), label="accuracy")
