@@ -188,7 +188,7 @@ DEFAULT_RUN = {
     "max_seq_len": 2048,
     # YaRN, not linear: linear squeezes the offsets between neighbouring characters, which this char-level
     # model cannot read (at 4x: loss 4.0 at step 0, passkey 0 before and still 0 after 400 steps); YaRN leaves
-    # the high-frequency dimensions alone (x8: passkey about chance before, learnt in ~150 steps at lr 1e-3).
+    # the high-frequency dimensions alone (x8: passkey 0.02 before, 0.94 after 300 steps at lr 1e-3).
     "rope_scaling": "yarn",
     "bits": 4,
     "bpt": True,
