@@ -200,7 +200,7 @@ DEFAULT_RUN = {
     "learning_rate": 1e-3,
     "lr_scheduler_type": "cosine",
     "warmup_steps": 10,
-    "max_steps": 300,  # the answer loss is ~1e-3 from step ~200; 300 leaves a margin over seeds
+    "max_steps": 300,  # the answer loss stays below 0.01 from step ~210; 300 leave a margin
     "per_device_train_batch_size": 1,
     "gradient_accumulation_steps": 1,
     "save_steps": 100,
