@@ -107,7 +107,7 @@ def test_qlora_help_shows_each_default_once_the_block_sizes_and_the_default_run(
         {flag: text for flag, text in helps.items() if text.count("(default:") > 1}
     assert f"default: {BPTConfig.q_block}, " in helps["--q_block"] and "None" not in helps["--q_block"]
     assert f"default: {BPTConfig.loss_chunk}, " in helps["--loss_chunk"]
-    for flag, value in [("--max_seq_len", "1024"), ("--learning_rate", "0.001"), ("--max_steps", "400"),
+    for flag, value in [("--max_seq_len", "2048"), ("--learning_rate", "0.001"), ("--max_steps", "300"),
                         ("--output_dir", "outputs/default-run"), ("--eval_passkey", "True")]:
         assert f"; default run: {value})" in helps[flag], (flag, helps[flag])
     assert "default run" in build_parser().description

@@ -53,17 +53,25 @@ def plot_loss(Figure, metrics_path: str, png: str) -> bool:
         return False
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.add_subplot()
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker="o" if len(records) < 30 else None)
-    ax.set(xlabel="step", ylabel="training loss", title="loss")
-    ax.grid(alpha=0.3)
+    losses = [r["loss"] for r in records]
+    ax.plot([r["step"] for r in records], losses, marker="o" if len(records) < 30 else None)
+    # A loss that falls by orders of magnitude (an answer-only passkey loss ends near 1e-3) is flat on a linear axis.
+    log = min(losses) > 0 and max(losses) / min(losses) > 20
+    if log:
+        ax.set_yscale("log")
+    ax.set(xlabel="step", ylabel="training loss" + (" (log scale)" if log else ""), title="loss")
+    ax.grid(alpha=0.3, which="both" if log else "major")
     fig.savefig(png, dpi=100)
     return True
 
 
 def plot_accuracy(Figure, panels: dict, task: str, png: str) -> None:
     """One heatmap per panel (label -> result with "by_length_depth"), side by side: rows lengths, columns depths,
-    cells the accuracy, written as numbers too."""
-    fig = Figure(figsize=(4.5 * len(panels), 3.5), layout="constrained")
+    cells the accuracy, written as numbers too (red 0 to green 1, so a glance tells failure from success)."""
+    first = next(iter(panels.values()))["by_length_depth"]
+    rows, columns = len(first), len(next(iter(first.values())))
+    # Cells of about the same size whatever the grid: one length is a strip, not a tall block.
+    fig = Figure(figsize=(max(3.0, 0.75 * columns + 1.2) * len(panels) + 1.0, 0.55 * rows + 1.6), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     image = None
     for ax, (label, result) in zip(axes, panels.items()):
@@ -71,13 +79,15 @@ def plot_accuracy(Figure, panels: dict, task: str, png: str) -> None:
         lengths = list(table)
         depths = list(next(iter(table.values())))
         grid = [[table[length][depth] for depth in depths] for length in lengths]
-        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(depths)), [f"{float(d):g}" for d in depths])
         ax.set_yticks(range(len(lengths)), [str(length) for length in lengths])
         for i, row in enumerate(grid):
             for j, value in enumerate(row):
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white" if value < 0.5 else "black")
-        ax.set(xlabel="depth", ylabel="length", title=f"{task} {label}: {result['accuracy']:.2f}")
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=12,
+                        color="white" if value < 0.15 or value > 0.85 else "black")  # the map's dark ends
+        ax.set(xlabel="needle depth", ylabel="context length", title=f"{label}: {result['accuracy']:.2f}")
+    fig.suptitle(f"{task} accuracy by context length x depth")
     fig.colorbar(image, ax=list(axes), label="accuracy")
     fig.savefig(png, dpi=100)
 
@@ -91,8 +101,8 @@ def write_run_pictures(output_dir: str, evals: dict | None, metrics_file: str = 
     loss_png = os.path.join(output_dir, LOSS_PNG)
     if plot_loss(Figure, os.path.join(output_dir, metrics_file), loss_png):
         written.append(loss_png)
-    written += _heatmaps(Figure, {when: task_results((evals or {}).get(when)) for when in ("before", "after")},
-                         output_dir, "")
+    panels = {f"{when} training": task_results((evals or {}).get(when)) for when in ("before", "after")}
+    written += _heatmaps(Figure, panels, output_dir, "")
     return written
 
 
