@@ -363,7 +363,7 @@ def test_fsdp_with_as_many_processes_as_tensor_parallel_ranks_trains_unsharded_w
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = load_config(str(tiny / "model"), False)
     for rank, said in (("1", ""), ("0", "note: --fsdp with --tensor_parallel 2 on 2 processes has nothing to shard "
-                                         "over (each slice is held by one process); training unsharded (launch a "
+                                         "over (each slice is held by one process); running unsharded (launch a "
                                          "multiple of 2 processes to shard each slice over them)\n")):
         monkeypatch.setenv("RANK", rank)
         args = parse_args(base_argv(tiny, "out", "--tensor_parallel", 2, "--fsdp"))
