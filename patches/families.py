@@ -86,11 +86,13 @@ FAMILIES: dict[str, Family] = {
     "bitnet": LLAMA_LIKE,
     "dots1": LLAMA_LIKE,
     "ernie4_5": LLAMA_LIKE,
+    "exaone": LLAMA_LIKE,
     "exaone4": LLAMA_LIKE,
     "exaone_moe": LLAMA_LIKE,
     "glm": LLAMA_LIKE,  # partial rotary: applied before attention, nothing for the kernel to do
     "glm4": LLAMA_LIKE,
     "glm4_moe": LLAMA_LIKE,
+    "sarvam_moe": LLAMA_LIKE,
     "helium": LLAMA_LIKE,
     "hunyuan_v1_dense": LLAMA_LIKE,  # QK-norm inside the attention module, before AttentionInterface
     "hunyuan_v1_moe": LLAMA_LIKE,
@@ -142,6 +144,7 @@ FAMILIES: dict[str, Family] = {
     # per token: chunking them is exact.
     "deepseek_v2": LLAMA_LIKE,
     "deepseek_v3": LLAMA_LIKE,
+    "sarvam_mla": LLAMA_LIKE,
     "glm4_moe_lite": LLAMA_LIKE,
     "axk1": LLAMA_LIKE,
     "youtu": LLAMA_LIKE,

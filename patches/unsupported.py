@@ -9,20 +9,8 @@ multimodal-only, feature not yet reproduced (named), pending low-precision check
 UNSUPPORTED: dict[str, str] = {
     "apertus1p5_text": "not yet classified: new in transformers 5.24 (Apertus1p5TextForCausalLM)",
     "dory": "not yet classified: new in transformers 5.24 (DoryForCausalLM)",
-    "exaone": (
-        "not yet classified: new in transformers 5.24; built by LlamaForCausalLM, so likely a Llama-like row once its "
-        "tiny config passes the fp32 and low-precision tests"
-    ),
     "inkling2_loop_text": "not yet classified: new in transformers 5.24 (Inkling2LoopForCausalLM)",
     "lara_mini": "not yet classified: new in transformers 5.24 (LaraMiniForCausalLM)",
-    "sarvam_mla": (
-        "not yet classified: new in transformers 5.24; built by DeepseekV3ForCausalLM (the deepseek_v3 row's classes) "
-        "once its tiny config passes the fp32 and low-precision tests"
-    ),
-    "sarvam_moe": (
-        "not yet classified: new in transformers 5.24; built by Glm4MoeForCausalLM (the glm4_moe row's classes) once "
-        "its tiny config passes the fp32 and low-precision tests"
-    ),
     "apertus": (
         "pending low-precision check: exact in fp32 as a Llama-like row; low-precision test over its limit "
         "(feedforward_layernorm.weight gradient 1.70x stock's error (packed, bf16 weights); its xIELU activation's "

@@ -57,12 +57,15 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     **{name: (name, {**_COMMON, "head_dim": 8}) for name in (
         "arcee", "bitnet", "ernie4_5", "glm", "glm4", "helium", "hunyuan_v1_dense",
         "internlm3", "iquestcoder", "jais2", "nemotron", "olmo", "olmo2", "persimmon", "phi", "stablelm")},
+    "exaone": ("exaone", {**_COMMON, "head_dim": 8}),
     "seed_oss": ("seed_oss", {**_COMMON, "head_dim": 8, "residual_dropout": 0.0}),
     **{name: (name, {**_COMMON, "head_dim": 8, **_SLIDING_AND_FULL}) for name in (
         "exaone4", "ministral", "olmo3")},
     "smollm3": ("smollm3", {**_COMMON, "use_sliding_window": True, **_SLIDING_AND_FULL}),
     **{name: (name, {**_COMMON, "head_dim": 8, **_MOE}) for name in (
         "glm4_moe", "hunyuan_v1_moe", "hy_v3", "olmoe")},
+    "sarvam_moe": ("sarvam_moe", {**_COMMON, "head_dim": 8, **_MOE, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                  "use_qk_norm": True}),
     "jetmoe": ("jetmoe", {**_COMMON, **_MOE, "num_key_value_heads": 4}),  # the MoA module has no GQA
     "dots1": ("dots1", {**_COMMON, **_MOE, **_SLIDING_AND_FULL, "n_shared_experts": 1, "first_k_dense_replace": 1}),
     **{name: (name, {**_COMMON, "head_dim": 8, **_MOE, **_SLIDING_AND_FULL}) for name in (
@@ -97,6 +100,7 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     **{name: (name, {**_COMMON, "num_key_value_heads": 4, **_MLA, **extra}) for name, extra in (
         ("deepseek_v2", {**_MLA_MOE, "first_k_dense_replace": 1, "topk_method": "group_limited_greedy"}),
         ("deepseek_v3", {**_MLA_MOE, "first_k_dense_replace": 1}),
+        ("sarvam_mla", {**_MLA_MOE, "first_k_dense_replace": 1, "q_lora_rank": None}),  # no q low-rank; interleaved rope
         ("glm4_moe_lite", {**_MLA_MOE, "mlp_layer_types": ["dense", "sparse"]}),
         ("axk1", {**_MLA_MOE, "mlp_layer_types": ["dense", "sparse"]}),
         ("minicpm3", {}),  # divides hidden states by hidden_size / dim_model_base (= 0.125) before lm_head
