@@ -7,7 +7,6 @@ transformers and our patch read a restart as "no attention across this boundary"
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ import pyarrow.compute as pc
 import torch
 
 from train.errors import UserError, one_line
+from train.lifecycle import quieted
 
 # File suffix -> `datasets` builder. A .txt file is one document per file (not per line): long-context
 # training wants whole documents, and a book's line breaks are not document boundaries.
@@ -86,7 +86,8 @@ def load_text_dataset(source: str, *, split: str = "train") -> datasets.Dataset:
     builder, files = local
     try:
         # Local files always land in the builder's "train" split, whatever `split` asks for.
-        with _quiet_json_builder():
+        # the json builder's own "Failed to load JSON from file ..." line: the UserError names the file and line
+        with quieted("datasets.packaged_modules.json.json", logging.CRITICAL):
             ds = datasets.load_dataset(builder, data_files=files, split="train", **_BUILDER_KWARGS.get(builder, {}))
     except Exception as e:  # datasets raises many types for unreadable files
         where = _locate_json_error(files) if builder == "json" else None
@@ -95,19 +96,6 @@ def load_text_dataset(source: str, *, split: str = "train") -> datasets.Dataset:
         raise UserError(f"could not read {source} as {builder} ({type(e).__name__}: {one_line(e)}); "
                         "check that the file is valid") from None
     return _non_empty(ds, source)
-
-
-@contextlib.contextmanager
-def _quiet_json_builder():
-    """Silence the json builder's own "Failed to load JSON from file ..." log line while loading: on a
-    broken file the UserError names the file and the line instead."""
-    logger = logging.getLogger("datasets.packaged_modules.json.json")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _locate_json_error(files: list[str]) -> str | None:

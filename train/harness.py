@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 
 from train.errors import UserError
+from train.lifecycle import quieted
 
 EXTRA = 'pip install -e ".[ruler]"'
 GROUP = "ruler"
@@ -58,19 +59,6 @@ def check_tasks(names: list[str]) -> list[str]:
     check_installed()
     expanded = [task for name in names for task in (OFFLINE if name == GROUP else [name])]
     return list(dict.fromkeys(expanded))
-
-
-@contextlib.contextmanager
-def _quiet_lm_eval():
-    """lm-eval's INFO/WARNING lines (seeds, "pretrained is not a str", no aggregation for a length...) are about
-    its own plumbing; errors still show."""
-    logger = logging.getLogger("lm_eval")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 @dataclass
@@ -148,7 +136,7 @@ def build_tasks(tokenizer, tokenizer_source: str, names: list[str], lengths: lis
     manager = TaskManager(metadata={"tokenizer": tokenizer_source, "max_seq_lengths": lengths})
     tasks = {}
     # Its generators print progress ("Downloaded punkt_tab on rank 0", "Num noises: ..."): stderr, the results stdout.
-    with _quiet_lm_eval(), contextlib.redirect_stdout(sys.stderr):
+    with quieted("lm_eval", logging.ERROR), contextlib.redirect_stdout(sys.stderr):
         for name in names:  # one at a time (the same random stream as all at once) to name the one that fails
             try:
                 tasks.update(manager.load([name])["tasks"])
@@ -184,7 +172,7 @@ def simple_evaluate(model, tokenizer, prompts: Prompts, *, limit: int | None = N
     from patches import apply_bpt_patch, is_patched
     from train.metrics import evaluation_mode
 
-    with _quiet_lm_eval(), evaluation_mode(model):
+    with quieted("lm_eval", logging.ERROR), evaluation_mode(model):
         # max_length only bounds HFLM's left truncation: RULER sizes a prompt without the answer prefix lm-eval
         # appends, so with max_length = the length a prompt's start would be cut off. Twice it never cuts.
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=2 * max(prompts.lengths))

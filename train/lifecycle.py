@@ -1,5 +1,5 @@
 """The process around `python -m train.qlora`: SIGINT / SIGTERM (Interrupted, SIGNALS), library log lines
-that are not the user's problem (silence_library_noise, also used by train.eval), and leaving the command
+that are not the user's problem (silence_library_noise, also used by train.eval; quieted), and leaving the command
 line with one line and its exit status (leave, interrupted_message, resume_command)."""
 from __future__ import annotations
 
@@ -134,6 +134,19 @@ def silence_library_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoiseFilter) and f.prefix == prefix for f in logger.filters):
             logger.addFilter(_NoiseFilter(prefix))
+
+
+@contextlib.contextmanager
+def quieted(logger_name: str, level: int):
+    """Only records at `level` or above from the named logger while inside (its own level restored after): for a
+    library whose lines say the same thing as our one-line error, or talk about its own plumbing."""
+    logger = logging.getLogger(logger_name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 # ---------------------------------------------------------------- leaving the command line
