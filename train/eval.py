@@ -267,7 +267,7 @@ def _load_in_layout(plan: EvalModel, args: EvalArgs, layout):
     if args.sequence_parallel > 1 and not is_patched(model):
         apply_bpt_patch(model, eval_logits=False)  # loss-only in eval mode, as training patches it
     if args.fsdp:  # under TP each slice over the ranks holding it, as training shards it
-        shard_model(model, group=layout.tp_data_group if args.tensor_parallel > 1 else None)
+        shard_model(model, group=layout.tp_data_group)  # None without TP: every process
     return model
 
 
@@ -333,7 +333,7 @@ def _layout_text(layout, args: EvalArgs, model) -> str:
             + (f", sequences split {layout.sequence_parallel} ways ({layout.mode})" if layout.sequence_parallel > 1
                else "")
             + (f", layers split {layout.tensor_parallel} ways" if layout.tensor_parallel > 1 else "")
-            + (f", FSDP2 over {layout.world} processes, the main one holding {100 * local_share(model):.1f}% of the "
+            + (f", FSDP2 over {layout.world // layout.tensor_parallel} processes, the main one holding {100 * local_share(model):.1f}% of the "
                "weights" if args.fsdp else ""))
 
 
