@@ -72,7 +72,7 @@ class CheckpointOffload:
         if self.stream is None:
             self.stream = torch.cuda.Stream(t.device)
         host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True) \
-            if t.is_non_overlapping_and_dense() else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            if torch.ops.aten.is_non_overlapping_and_dense(t) else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(self.stream):
             host.copy_(t, non_blocking=True)

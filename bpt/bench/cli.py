@@ -6,13 +6,15 @@
     python -m bpt.bench --sequence_parallel 1 2 4 --sp_mode ring ulysses --lora --seq_lens 8192 32768
     python -m bpt.bench --sequence_parallel 1 2 --tensor_parallel 1 2 --lora --seq_lens 16384
     python -m bpt.bench --simulate h100-80gb --model llama-3.1-8b --bits 4 --lora --layers 2 --find_max
+    python -m bpt.bench --gpu_check --output gpu_check/          (on a GPU; --simulate h100-80gb: the dry run)
 
 - `build_parser`, `validate`: the flags, and every input checked before any work (errors exit with status 2)
 - `run_spec`, `sweep`: one worker spec per (side, seq_len), all lengths, then --find_max doubling
 - `simulated_sweep` (bpt.bench.simulated_sweep): with --simulate, rows of simulated steps and --find_max by bisection
 - `sp_sweep`: with --sequence_parallel, one process group per size N (x --tensor_parallel T) running every
   (length, mode)
-- `main`: probe, sweep, summary, output files; or, with `--worker`, the worker process itself
+- `main`: probe, sweep, summary, output files; or the GPU check (bpt.bench.gpu_check); or, with `--worker`, the
+  worker process itself
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from bpt.bench import gpu_check
 from bpt.bench.models import PRESETS, SIDES, resolve_model_config
 from bpt.bench.report import (environment, format_report, format_sp_report, summarize, summarize_sp,
                               write_outputs)
@@ -67,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = BPTConfig()
     p = argparse.ArgumentParser(prog="python -m bpt.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=_HelpFormatter)
-    p.add_argument("--model", default="llama-ref", help=f"preset ({', '.join(PRESETS)}) or a config json path")
+    p.add_argument("--model", default=None, help=f"preset ({', '.join(PRESETS)}) or a config json path (default: "
+                   f"llama-ref; {gpu_check.MODEL} with --gpu_check)")
     p.add_argument("--seq_lens", type=int, nargs="+", default=[4096, 8192, 16384], help="tokens per sequence")
     p.add_argument("--sides", nargs="+", choices=SIDES, default=["stock", "patched"],
                    help="stock transformers, BPT, and/or BPT with the layer checkpoints in host memory")
@@ -135,12 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--calibrate", action="store_true",
                      help="with --simulate on a real GPU: also run each step for real and report "
                           "torch.cuda.max_memory_allocated beside the prediction")
+    gpu_check.add_arguments(p)
     p.add_argument("--worker", metavar="SPEC_JSON", help=argparse.SUPPRESS)
     return p
 
 
 def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """Check every input before any work; returns the resolved model config. Errors exit with status 2."""
+    if args.gpu_check:
+        return validate_gpu_check(p, args)
+    args.model = args.model or "llama-ref"
     for name in ("batch_size", "steps", "lora_r"):
         if getattr(args, name) <= 0:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
@@ -213,6 +221,20 @@ def validate_sp_model(p: argparse.ArgumentParser, args: argparse.Namespace, conf
             p.error(f"--sp_mode ulysses splits each rank's query heads (the {heads} of --model {args.model} / T) over "
                     f"N ranks, so every --sequence_parallel size must divide them; got (N, T) = {bad} (use --sp_mode "
                     "ring for them)")
+
+
+def validate_gpu_check(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """--gpu_check: its own cells; of the other flags only the patch's block sizes and compile setting apply."""
+    fixed = [f"--{name}" for name in ("sequence_parallel", "find_max", "calibrate", "lora_targets", "layers")
+             if getattr(args, name)] + (["--sides"] if args.sides != ["stock", "patched"] else [])
+    if fixed:
+        p.error(f"--gpu_check runs fixed cells (bpt.bench.gpu_check); drop {', '.join(fixed)}")
+    try:
+        args.bpt = BPTConfig(q_block=args.q_block, kv_block=args.kv_block, mlp_chunk=args.mlp_chunk,
+                             loss_chunk=args.loss_chunk, norm_chunk=args.norm_chunk, compile=args.bpt_compile)
+    except ValueError as error:
+        p.error(str(error))
+    return gpu_check.validate(p, args)
 
 
 def validate_simulate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -358,6 +380,8 @@ def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = 
     if args.worker:
         sys.exit(worker_main(args.worker))
     model_config = validate(p, args)
+    if args.gpu_check:
+        return gpu_check.run(args, model_config, runner or run_worker)
     runner = runner or (lambda spec: run_worker(spec, args.timeout))
     model_name = args.model if args.model in PRESETS else Path(args.model).stem
     stamp = lambda: datetime.datetime.now().strftime('%Y%m%d-%H%M%S')  # noqa: E731

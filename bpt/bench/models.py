@@ -5,6 +5,8 @@
 - `HUB_MODELS`: well-known hub names -> their preset and position settings (train.qlora --plan, offline)
 - `resolve_model_config`: preset name or config json -> config dict, checked against transformers
 - `build_model`: the seeded model of a worker spec, with gradient checkpointing, LoRA and the patch as asked
+- `quantise_with_bitsandbytes`, `apply_liger`: a real NF4 base (bitsandbytes) and the peer's patch (Liger-Kernel) on
+  a model built on a real GPU (the GPU check, bpt.bench.gpu_check)
 
 transformers (and peft, patches) are imported only inside these functions: `bpt` must stay importable
 without transformers.
@@ -17,6 +19,7 @@ import os
 import torch
 
 SIDES = ("stock", "patched", "patched+offload")  # the last: checkpoints in host memory (offload_checkpoints)
+PEER_SIDES = ("liger",)  # Liger-Kernel's patch on a stock model (real GPU only: Triton kernels), bpt.bench.gpu_check
 
 # Model shapes (random weights from config are fine for memory and speed). max_position_embeddings is
 # set per sweep to cover its longest length.
@@ -156,3 +159,41 @@ def build_model(spec: dict, tp_group=None):
 
         handle = apply_bpt_patch(model, **{**spec["bpt"], "offload_checkpoints": spec["side"] == "patched+offload"})
     return model, handle
+
+
+def quantise_with_bitsandbytes(model, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Every nn.Linear of `model` but the output layer replaced, in place, by bitsandbytes' Linear4bit quantised from
+    its current weights on their device (NF4, double quantisation, bf16 compute): what from_pretrained with the
+    recipe's BitsAndBytesConfig stores. Returns how many were replaced."""
+    import bitsandbytes as bnb
+    from torch import nn
+
+    output = model.get_output_embeddings()
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not nn.Linear or child is output or name in skip:
+                continue
+            layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                      device="meta")
+            layer.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
+                                             quant_type="nf4", module=layer).to(child.weight.device)  # quantises
+            if child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(module, name, layer)
+            swapped += 1
+    return swapped
+
+
+def apply_liger(model) -> None:
+    """Liger-Kernel's patch for the model's family on this instance (its RMSNorm, SwiGLU, RoPE and fused linear +
+    cross entropy kernels, Triton: CUDA only). Raises ValueError when liger-kernel is missing or has no patch for it."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as error:
+        raise ValueError(f"the liger side needs liger-kernel (pip install liger-kernel): {error}") from None
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model.config.model_type)
+    if apply is None:
+        raise ValueError(f"liger-kernel has no patch for model_type {model.config.model_type!r}")
+    apply(model=model)

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from bpt.bench.models import model_from_config
+from bpt.bench.models import model_from_config, quantise_with_bitsandbytes
 from bpt.gpusim.gpus import device as simulated_device
 
 WEIGHT_DTYPES = {32: torch.float32, 16: torch.bfloat16}
@@ -69,8 +69,11 @@ def counting_blockwise_calls(paths):
         attention._blockwise, attention.varlen_causal = inner, varlen
 
 
-def build_simulated_model(spec: dict, layers: int):
-    """(model on meta, patch handle or None) for the spec with `layers` decoder layers."""
+def build_simulated_model(spec: dict, layers: int, device: torch.device | None = None):
+    """(model, patch handle or None) for the spec with `layers` decoder layers: on meta (to be made fake), or with
+    `device` built there with initialised weights (a real step). 4-bit on a real CUDA device with bitsandbytes
+    installed uses its Linear4bit (models.quantise_with_bitsandbytes; spec["quantiser"] says "emulated" to keep
+    the simulation's layer there), else the simulation's emulated layer (bpt.gpusim.quant4)."""
     from transformers import AutoConfig
 
     values = {**spec["model_config"], "num_hidden_layers": layers}
@@ -79,16 +82,25 @@ def build_simulated_model(spec: dict, layers: int):
     config = AutoConfig.for_model(**values)
     bits = spec["bits"]
     dtype = WEIGHT_DTYPES.get(bits, torch.bfloat16)
-    with torch.device("meta"):
+    torch.manual_seed(spec.get("seed", 0))
+    with torch.device(device or "meta"):
         model = model_from_config(config, dtype)
     model.config.use_cache = False
     model.train()
+    if spec["side"] == "liger":
+        from bpt.bench.models import apply_liger
+
+        apply_liger(model)
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    bitsandbytes = bits == 4 and quantiser(spec, device) == "bitsandbytes"
     if bits == 4:
         from bpt.gpusim.quant4 import quantise_linears
         from patches.kbit import prepare_kbit_model
 
-        quantise_linears(model)
+        if bitsandbytes:
+            quantise_with_bitsandbytes(model)
+        else:
+            quantise_linears(model)
         model.is_loaded_in_4bit = True
         model = prepare_kbit_model(model, use_gradient_checkpointing=spec["gradient_checkpointing"], **checkpointing)
     elif spec["gradient_checkpointing"]:
@@ -99,21 +111,42 @@ def build_simulated_model(spec: dict, layers: int):
         from bpt.gpusim.quant4 import lora_like_bitsandbytes
 
         targets = spec.get("lora_targets") or "all-linear"
-        model = get_peft_model(model, lora_like_bitsandbytes(LoraConfig(
-            r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=spec.get("lora_dropout", 0.0),
-            target_modules=targets, task_type="CAUSAL_LM", modules_to_save=spec.get("modules_to_save"))))
-    handle = None
-    if spec["side"] != "stock":
-        from patches import apply_bpt_patch
-
-        handle = apply_bpt_patch(model, **{**spec["bpt"], "compile": False,
-                                           "offload_checkpoints": spec["side"] == "patched+offload"})
-    return model, handle
+        lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=spec.get("lora_dropout", 0.0),
+                          target_modules=targets, task_type="CAUSAL_LM", modules_to_save=spec.get("modules_to_save"))
+        model = get_peft_model(model, lora if bitsandbytes else lora_like_bitsandbytes(lora))
+    return model, patch(model, spec, compile=False)
 
 
-def _inputs(spec: dict, vocab: int, device: torch.device) -> dict:
-    batch, n = spec["batch_size"], spec["seq_len"]
-    ids = torch.zeros(batch, n, dtype=torch.long, device=device)
+def patch(model, spec: dict, compile: bool | None):
+    """The patch of the spec's side on `model` (None for stock and liger); compile as given (the simulation: off)."""
+    if spec["side"] not in ("patched", "patched+offload"):
+        return None
+    from patches import apply_bpt_patch
+
+    return apply_bpt_patch(model, **{**spec["bpt"], "compile": compile,
+                                     "offload_checkpoints": spec["side"] == "patched+offload"})
+
+
+def quantiser(spec: dict, device: torch.device | None) -> str:
+    """Who stores a 4-bit spec's weights: "bitsandbytes" on a real CUDA device where it is installed, else
+    "emulated" (the simulation's layer: the same bytes, no values)."""
+    import importlib.util
+
+    if spec.get("quantiser") == "emulated" or device is None or torch.device(device).type != "cuda":
+        return "emulated"
+    return "bitsandbytes" if importlib.util.find_spec("bitsandbytes") else "emulated"
+
+
+def step_inputs(spec: dict, device: torch.device, real: bool, seq_len: int | None = None) -> dict:
+    """input_ids and labels of one step ([batch, seq_len]): seeded random tokens on a real device, zeros on a
+    simulated one (fake tensors hold no values); packed rows get positions restarting at every document."""
+    batch, n = spec["batch_size"], seq_len or spec["seq_len"]
+    vocab = spec["model_config"]["vocab_size"]
+    if real:
+        generator = torch.Generator().manual_seed(spec.get("seed", 0))
+        ids = torch.randint(0, vocab, (batch, n), generator=generator).to(device)
+    else:
+        ids = torch.zeros(batch, n, dtype=torch.long, device=device)
     inputs = {"input_ids": ids, "labels": ids}
     documents = spec.get("packed_documents") or 0
     if documents > 1:  # packed rows: positions restart at every document
@@ -122,45 +155,63 @@ def _inputs(spec: dict, vocab: int, device: torch.device) -> dict:
     return inputs
 
 
+def training_step(model, inputs: dict, autocast: bool) -> torch.Tensor:
+    """Forward with labels and backward, bf16 autocast on the GPU as the recipe trains; -> the detached loss."""
+    with torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach()
+
+
+def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10) -> dict:
+    """One training step under the AllocationTracker (the simulation's figures; on real tensors too), with
+    torch.cuda's own peak beside them on a real GPU, inside `sim`'s device rules (entered by the caller)."""
+    from bpt.gpusim.tracker import AllocationTracker, flash_backward_workspace
+
+    gpu = sim.device
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(counting_blockwise_calls(sim.attention_paths))
+        tracker = AllocationTracker(top=top, workspace=flash_backward_workspace, host_apart=gpu.is_cuda)
+        stack.enter_context(tracker)
+        tracker.track(*model.parameters(), *model.buffers(), *inputs.values())
+        before = tracker.live
+        allocator = stack.enter_context(_real_cuda_peak(sim.torch_device) if real else contextlib.nullcontext({}))
+        tracker.phase = "forward"
+        # bf16 autocast on the GPU, as the recipe trains (made inside `simulate`: torch refuses it outside)
+        with torch.autocast("cuda", dtype=torch.bfloat16) if gpu.is_cuda else contextlib.nullcontext():
+            loss = model(**inputs).loss
+        tracker.phase = "backward"
+        loss.backward()
+        loss_value = float(loss) if real else None
+        del loss
+    return {**tracker.summary(), "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
+            "loss": loss_value, "attention_paths": dict(sim.attention_paths),
+            "oracle_answers": dict(sim.oracle.answers)}
+
+
 def simulate_step(spec: dict, layers: int, real: bool = False) -> dict:
     """One forward + backward of the spec's model with `layers` layers on the simulated device; `real`: on real
-    tensors of that device type instead (uninitialised weights), the same tracker counting, for calibration
+    tensors of that device type instead (initialised weights), the same tracker counting, for calibration
     (with torch.cuda.max_memory_allocated beside it on a GPU) and to check the simulation against real tensors."""
     from bpt.gpusim.device import Simulation, simulate
-    from bpt.gpusim.tracker import AllocationTracker, DataOracle, flash_backward_workspace, materialize_fake
+    from bpt.gpusim.tracker import DataOracle, materialize_fake
 
     gpu = simulated_device(spec["simulate"])
     start = time.perf_counter()
-    model, handle = build_simulated_model(spec, layers)
     with contextlib.ExitStack() as stack:
         stack.enter_context(transformers_sees_real_tensors())
         if real:
             sim = Simulation(gpu, None, DataOracle())
-            model.to_empty(device=sim.torch_device)
+            model, handle = build_simulated_model(spec, layers, sim.torch_device)
         else:
+            model, handle = build_simulated_model(spec, layers)
             sim = stack.enter_context(simulate(gpu))
             materialize_fake(model, sim.fake_mode, sim.torch_device)
-        stack.enter_context(counting_blockwise_calls(sim.attention_paths))
-        inputs = _inputs(spec, model.config.vocab_size, sim.torch_device)
-        tracker = AllocationTracker(top=spec.get("top", 10), workspace=flash_backward_workspace, host_apart=gpu.is_cuda)
-        stack.enter_context(tracker)
-        tracker.track(*model.parameters(), *model.buffers(), *inputs.values())
-        before = tracker.live
-        measured = _real_cuda_peak(sim.torch_device) if real else contextlib.nullcontext({})
-        with measured as allocator:
-            tracker.phase = "forward"
-            # bf16 autocast on the GPU, as the recipe trains (made inside `simulate`: torch refuses it outside)
-            with torch.autocast("cuda", dtype=torch.bfloat16) if gpu.is_cuda else contextlib.nullcontext():
-                loss = model(**inputs).loss
-            tracker.phase = "backward"
-            loss.backward()
-            del loss
+        step = tracked_step(model, step_inputs(spec, sim.torch_device, real), sim, real, spec.get("top", 10))
     trainable = [p for p in model.parameters() if p.requires_grad]
     if handle is not None:
         handle.remove()
-    return {**tracker.summary(), "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
-            "attention_paths": dict(sim.attention_paths), "oracle_answers": dict(sim.oracle.answers),
-            "trainable_params": sum(p.numel() for p in trainable),
+    return {**step, "trainable_params": sum(p.numel() for p in trainable),
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "seconds": time.perf_counter() - start}
 
@@ -190,22 +241,33 @@ def run_simulation(spec: dict) -> dict:
     step = simulate_step(spec, layers, real)
     row = {"ok": True, "device": ("real " + spec["simulate"]) if real else simulated_device(spec["simulate"]).label, "layers": layers, "depth": depth,
            "extrapolated": layers != depth, "threads": torch.get_num_threads(), **step}
-    if layers != depth:  # peak(L) = a + b L exactly (checkpoints and weights per layer): extend it to the depth
-        more = simulate_step(spec, layers + 1, real)
-        per_layer = more["peak_bytes"] - step["peak_bytes"]
-        for key in ("peak_bytes", "before_bytes", "weight_bytes", "host_peak_bytes"):
-            row[key] = step[key] + (more[key] - step[key]) * (depth - layers)
-        row["step_bytes"] = row["peak_bytes"] - row["before_bytes"]
-        row["ops"] = step["ops"] + (more["ops"] - step["ops"]) * (depth - layers)
-        row["flops_by_dtype"] = {dtype: flops + (more["flops_by_dtype"].get(dtype, 0) - flops) * (depth - layers)
-                                 for dtype, flops in step["flops_by_dtype"].items()}
-        row["bytes_per_layer"] = per_layer
-        row["seconds"] += more["seconds"]
+    if layers != depth:
+        row.update(extrapolated_to_depth(step, simulate_step(spec, layers + 1, real), layers, depth))
     tokens = spec["batch_size"] * spec["seq_len"]
     row["peak_gib"] = row["peak_bytes"] / 2**30
     row["bytes_per_token"] = row["step_bytes"] / tokens
     usable = simulated_device(spec["simulate"]).usable_bytes
     row["fits"] = None if usable is None else row["peak_bytes"] <= usable
+    return row
+
+
+EXTENDED = ("peak_bytes", "before_bytes", "weight_bytes", "host_peak_bytes", "ops", "cuda_peak_bytes",
+            "cuda_before_bytes")
+
+
+def extrapolated_to_depth(step: dict, more: dict, layers: int, depth: int) -> dict:
+    """The figures of a step with `depth` layers from steps with `layers` and `layers` + 1: peak(L) = a + b L exactly
+    (checkpoints and weights per layer), so every count in EXTENDED and the FLOPs by dtype are extended linearly;
+    the largest holders and attention paths stay those of the `layers` step."""
+    grow = depth - layers
+    row = {key: step[key] + (more[key] - step[key]) * grow for key in EXTENDED if key in step and key in more}
+    row["step_bytes"] = row["peak_bytes"] - row["before_bytes"]
+    if "cuda_peak_bytes" in row:
+        row["cuda_step_bytes"] = row["cuda_peak_bytes"] - row["cuda_before_bytes"]
+    row["flops_by_dtype"] = {dtype: flops + (more["flops_by_dtype"].get(dtype, 0) - flops) * grow
+                             for dtype, flops in step["flops_by_dtype"].items()}
+    row["bytes_per_layer"] = more["peak_bytes"] - step["peak_bytes"]
+    row["seconds"] = step["seconds"] + more["seconds"]
     return row
 
 

@@ -33,12 +33,26 @@ def _simulate(spec: dict) -> dict:
     return run_simulation(spec)
 
 
-TASKS = {"probe": run_probe, "train": run_training, "sp_train": run_sp_group, "simulate": _simulate}
+def _cells(spec: dict) -> dict:
+    from bpt.bench.cells import run_cells
+
+    return run_cells(spec)
+
+
+def _environment(spec: dict) -> dict:
+    from bpt.bench.gpu_check import device_environment
+
+    return device_environment(spec)
+
+
+TASKS = {"probe": run_probe, "train": run_training, "sp_train": run_sp_group, "simulate": _simulate,
+         "cells": _cells, "environment": _environment}
 
 
 def worker_command(spec_path: str, spec: dict) -> list[str]:
     """argv of the worker process; a simulated CUDA device needs the gpusim shim loaded before torch."""
-    if spec["task"] == "simulate" and spec["simulate"] != "cpu":
+    if spec["task"] in ("simulate", "cells", "environment") and spec.get("simulate") not in (None, "cpu") \
+            and not spec.get("real"):
         from bpt.gpusim.shim import boot_command
 
         return boot_command("bpt.bench", "--worker", spec_path)
@@ -108,7 +122,8 @@ def describe_exit(returncode: int, stderr: str) -> str:
 
 
 def run_worker(spec: dict, timeout: float | None = None) -> dict:
-    """Run one spec in a fresh `python -m bpt.bench --worker` process; a dead worker is a failed result."""
+    """Run one spec in a fresh `python -m bpt.bench --worker` process; a dead worker is a failed result (with the
+    partial result it wrote to result_path + ".partial", if any, as "partial")."""
     with tempfile.TemporaryDirectory(prefix="bpt-bench-") as tmp:
         spec = {**spec, "result_path": os.path.join(tmp, "result.json")}
         spec_path = os.path.join(tmp, "spec.json")
@@ -119,11 +134,19 @@ def run_worker(spec: dict, timeout: float | None = None) -> dict:
             proc = subprocess.run(command, env=worker_env(spec["malloc"]), capture_output=True, text=True,
                                   timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {timeout:g} s"}
+            return {"ok": False, "error": f"timed out after {timeout:g} s", **_partial(spec["result_path"])}
         if os.path.exists(spec["result_path"]):
             with open(spec["result_path"]) as f:
                 return json.load(f)
-        return {"ok": False, "error": describe_exit(proc.returncode, proc.stderr)}
+        return {"ok": False, "error": describe_exit(proc.returncode, proc.stderr), **_partial(spec["result_path"])}
+
+
+def _partial(result_path: str) -> dict:
+    path = result_path + ".partial"
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {"partial": json.load(f)}
 
 
 def _free_port() -> int:

@@ -110,6 +110,8 @@ class AllocationTracker(TorchDispatchMode):
         if formula is not None:
             first = next(t for t in tree_leaves(args) if isinstance(t, torch.Tensor))
             shapes = [a for a in args if not isinstance(a, torch.dtype)]  # bmm(..., out_dtype): torch's formula has none
+            if "scaled_dot_product" in self._op:
+                shapes = _query_heads(shapes)
             self.flops[str(first.dtype).removeprefix("torch.")] += formula(*shapes, **kwargs, out_val=out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -123,6 +125,16 @@ class AllocationTracker(TorchDispatchMode):
         return {"peak_bytes": self.peak, "host_peak_bytes": self.host_peak, "peak_phase": self.peak_phase,
                 "peak_op": self.peak_op,
                 "peak_holders": self.peak_holders, "flops_by_dtype": dict(self.flops), "ops": self.ops}
+
+
+def _query_heads(args: list) -> list:
+    """SDPA arguments for torch's flop formula with grouped key / value heads given as the query's head count
+    (as shapes: the formula reads shapes only; torch < 2.13's formula refuses grouped heads, and 2.13's counts
+    them this way)."""
+    heads = max((a.shape[1] for a in args if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
+    return [torch.Size([a.shape[0], heads, *a.shape[2:]])
+            if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[1] != heads and heads % a.shape[1] == 0
+            else a for a in args]
 
 
 def flash_backward_workspace(func, args) -> int:

@@ -1,0 +1,170 @@
+"""Worker task "cells": one side of the GPU check in one process, a model built once and each length run in turn.
+
+Per length (a cell):
+- `tracked: true`: one step as the simulation runs it (bpt.bench.simulate.tracked_step: the patch with compile off,
+  bf16 autocast) under the AllocationTracker, with torch.cuda.max_memory_allocated beside it on a real GPU: the
+  simulation's code path on real tensors;
+- `timed_steps: K`: the patch applied as a user gets it (torch.compile on CUDA), one warm-up step and K synchronised
+  steps: their median seconds, tokens per second and the allocator's peak.
+On a simulated device the same code runs on fake tensors: bytes from the tracker, no timings (the steps still run,
+so a dry run executes what a GPU run does; compile stays off there: nothing can compile fake CUDA tensors).
+
+`layers` below the depth: each length runs at `layers` and `layers` + 1 layers and the byte counts are extended to
+the depth (simulate.extrapolated_to_depth, as --simulate --layers does): a long length's memory without paying
+its whole step. `stop_at_first_failure` and `deadline` (epoch seconds) make it the max-context search: lengths in
+increasing order, stop at the first that fails or does not fit `usable_bytes`, and skip a length whose predicted
+time (the last cell's scaled by the square of the length ratio: attention's cost) would pass the deadline.
+Every finished cell is also written to result_path + ".partial": a worker killed at its timeout keeps them.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+from bpt.bench.simulate import (build_simulated_model, extrapolated_to_depth, patch, step_inputs, tracked_step,
+                                training_step, transformers_sees_real_tensors)
+from bpt.gpusim.gpus import device as simulated_device
+
+
+class _Models:
+    """Holds the model of one depth at a time: asking for another depth frees the one held first."""
+
+    def __init__(self, spec: dict, sim, real: bool):
+        self.spec, self.sim, self.real = spec, sim, real
+        self.layers, self.model, self.handle = None, None, None
+        self.compile = False  # the patch's compile setting now (built with it off, as the simulation runs)
+
+    def get(self, layers: int):
+        if layers != self.layers:
+            self.free()
+            if self.real:
+                self.model, self.handle = build_simulated_model(self.spec, layers, self.sim.torch_device)
+            else:
+                from torch.utils._python_dispatch import _disable_current_modes
+
+                from bpt.gpusim.tracker import materialize_fake
+
+                with _disable_current_modes():  # built on meta outside the fake mode, then made fake
+                    self.model, self.handle = build_simulated_model(self.spec, layers)
+                materialize_fake(self.model, self.sim.fake_mode, self.sim.torch_device)
+            self.layers, self.compile = layers, False
+        return self.model
+
+    def repatch(self, compile: bool | None) -> None:
+        """The side's patch again with `compile` (the tracked step ran it with compile off, as the simulation)."""
+        if self.handle is not None:
+            self.handle.remove()
+        self.handle = patch(self.model, self.spec, compile)
+        self.compile = compile
+
+    def free(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+        self.layers, self.model, self.handle = None, None, None
+        _release(self.real)
+
+
+def _release(real: bool) -> None:
+    gc.collect()
+    if real:
+        torch.cuda.empty_cache()
+
+
+def _timed(models: _Models, inputs: dict, count: int, real: bool, compile: bool | None) -> dict:
+    """One warm-up and `count` measured steps with the patch as users run it; seconds only on a real GPU."""
+    models.repatch(compile if real else False)
+    model, seconds, peaks, loss = models.model, [], [], None
+    for _ in range(1 + count if real else 1):  # fake tensors: one step runs the code, times would mean nothing
+        model.zero_grad(set_to_none=True)
+        if real:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        loss = training_step(model, inputs, autocast=True)
+        if real:
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+        seconds.append(time.perf_counter() - start)
+    n = inputs["input_ids"].numel()
+    if not real:
+        return {"timed_steps": count, "seconds_per_step": None, "tokens_per_second": None}
+    median = statistics.median(seconds[1:])
+    return {"timed_steps": count, "seconds_per_step": median, "step_seconds_each": seconds[1:],
+            "warmup_seconds": seconds[0], "tokens_per_second": n / median, "timed_peak_bytes": max(peaks[1:]),
+            "timed_loss": float(loss)}
+
+
+def _cell(models: _Models, spec: dict, seq_len: int, layers: int, real: bool) -> dict:
+    model = models.get(layers)
+    inputs = step_inputs(spec, models.sim.torch_device, real, seq_len)
+    start = time.perf_counter()
+    row = {}
+    if spec.get("tracked", True):
+        model.zero_grad(set_to_none=True)
+        if models.compile is not False:
+            models.repatch(False)  # a timed step of the previous length left the compiled patch on
+        row.update(tracked_step(model, inputs, models.sim, real, spec.get("top", 10)))
+    if spec.get("timed_steps"):
+        row.update(_timed(models, inputs, spec["timed_steps"], real, spec["bpt"].get("compile")))
+    model.zero_grad(set_to_none=True)
+    del inputs
+    _release(real)
+    row["seconds"] = time.perf_counter() - start
+    return row
+
+
+def _one_length(models: _Models, spec: dict, seq_len: int, depth: int, layers: int, real: bool) -> dict:
+    row = {"seq_len": seq_len, "layers": layers, "depth": depth, "extrapolated": layers != depth}
+    try:
+        step = _cell(models, spec, seq_len, layers, real)
+        if layers != depth and "peak_bytes" in step:  # bytes to extend; a timed-only cell is the `layers` step
+            more = _cell(models, spec, seq_len, layers + 1, real)
+            step = {**step, **extrapolated_to_depth(step, more, layers, depth)}
+    except Exception as error:  # an out-of-memory (or any) failure is this cell's result; the worker goes on
+        models.free()
+        text = (str(error).strip().splitlines() or [""])[0][:300]
+        oom = isinstance(error, torch.OutOfMemoryError) or "out of memory" in text
+        return {**row, "ok": False, "error": ("out of memory: " if oom else f"{type(error).__name__}: ") + text}
+    row.update(ok=True, **step)
+    if "peak_bytes" in row:
+        peak = row.get("cuda_peak_bytes", row["peak_bytes"])
+        row["fits"] = None if spec.get("usable_bytes") is None else peak <= spec["usable_bytes"]
+    return row
+
+
+def run_cells(spec: dict) -> dict:
+    """The worker task: every length of spec["seq_lens"] for the spec's side; -> {"ok": True, "cells": [...]}."""
+    from bpt.gpusim.device import Simulation, simulate
+    from bpt.gpusim.tracker import DataOracle
+
+    gpu = simulated_device(spec["simulate"])
+    real = bool(spec.get("real"))
+    depth = spec["model_config"]["num_hidden_layers"]
+    layers = min(spec.get("layers") or depth, depth)
+    cells, last = [], None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(transformers_sees_real_tensors())
+        sim = Simulation(gpu, None, DataOracle()) if real else stack.enter_context(simulate(gpu))
+        models = _Models(spec, sim, real)
+        for seq_len in spec["seq_lens"]:
+            deadline = spec.get("deadline")
+            if deadline is not None and last is not None:
+                predicted = last["seconds"] * (seq_len / last["seq_len"]) ** 2
+                if time.time() + predicted > deadline:
+                    cells.append({"seq_len": seq_len, "ok": False, "skipped": True,
+                                  "error": f"not run: ~{predicted:.0f} s predicted, past the check's time budget"})
+                    break
+            row = _one_length(models, spec, seq_len, depth, layers, real)
+            cells.append(row)
+            with open(spec["result_path"] + ".partial", "w") as f:
+                json.dump({"ok": True, "cells": cells}, f)
+            last = row if row["ok"] else last
+            if spec.get("stop_at_first_failure") and not (row["ok"] and row.get("fits", True)):
+                break
+        models.free()
+    return {"ok": True, "cells": cells}

@@ -1,0 +1,433 @@
+"""`python -m bpt.bench --gpu_check --output DIR`: the prepared check of a lent GPU, most valuable figures first.
+
+Each part lands in DIR/gpu_check.json (the table in DIR/gpu_check.txt) as soon as it is done, so a run stopped at
+its time limit keeps what finished:
+  a. environment: the card, driver, CUDA and the versions of the libraries the run used;
+  b. memory: Llama-3.2-1B shapes (random weights), LoRA r 16 on every linear, bf16 autocast, checkpointing, 8K and
+     32K tokens, stock / patched / patched+offload, and one 4-bit (bitsandbytes) patched row:
+     torch.cuda.max_memory_allocated of one training step beside the simulated peak of the same step
+     (--simulate's code path, run on the CPU cores beside the GPU work);
+  c. speed: median seconds per step and tokens per second of the same cells (1 warm-up, 3 synchronised steps,
+     the patch compiled as users get it), patched at 64K and 128K, and Liger-Kernel's patch on the same lengths
+     as the peer on the same card;
+  d. the CUDA tier: `python -m pytest -m cuda`, its counts and failures (DIR/cuda_tier.log);
+  e. the longest context that fits this card, patched and patched+offload: doubling from 64K, each length stepped
+     at 1 and 2 layers and extended to the depth (as --simulate --layers), bounded by the time left; beside it the
+     simulation's --find_max on the same card.
+With --simulate CARD every part runs on that simulated card instead (the dry run CI runs): "measured" bytes are
+then the tracker's on fake tensors, timings are absent, and the Liger rows say why they did not run.
+The time budget (--time_budget) is shared out so the later parts keep their turn: a part that would eat into the
+next one's reserve skips its remaining cells with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from bpt.bench.models import resolve_model_config
+from bpt.bench.simulate import longest_fitting
+from bpt.gpusim.gpus import DEVICES, GIB, RESERVE_BYTES
+from bpt.gpusim.gpus import device as simulated_device
+
+MODEL = "llama-3.2-1b"
+LORA_R = 16
+MEMORY_LENGTHS = (8192, 32768)
+MEMORY_SIDES = ("stock", "patched", "patched+offload")
+FOUR_BIT_LENGTH = 8192
+LONG_LENGTHS = (65536, 131072)  # patched only: stock no longer fits there
+PEER = "liger"
+TIMED_STEPS = 3
+MAX_CONTEXT_SIDES = ("patched", "patched+offload")
+MAX_CONTEXT_START = 65536
+FIND_MAX_RESOLUTION = 8192  # the simulation's bisection on the card, in tokens
+SIM_LAYERS = 2  # the simulated rows run 2 and 3 layers and extend the (linear) bytes to the depth
+# Seconds each part leaves for the parts after it, out of the check's budget.
+RESERVE_AFTER = {"memory": 240, "speed": 150, "cuda_tier": 45, "max_context": 5}
+LIBRARIES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel", "triton", "datasets")
+CARDS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100-80gb"), ("L40S", "l40s-48gb"),
+         ("4090", "rtx4090-24gb"))
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("GPU check (python -m bpt.bench --gpu_check --output DIR; see bpt.bench.gpu_check)")
+    group.add_argument("--gpu_check", action="store_true",
+                       help="run the prepared check of this GPU (memory against the simulation, speed against "
+                            "stock and Liger-Kernel, the CUDA tests, the longest context): --output is a folder; "
+                            "with --simulate CARD it runs on that simulated card (the dry run)")
+    group.add_argument("--time_budget", type=float, default=420.0,
+                       help="with --gpu_check: seconds for the whole check, shared out so every part gets its turn")
+
+
+def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The --gpu_check flags (errors exit with status 2); -> the model config."""
+    import torch
+
+    if args.output is None:
+        p.error("--gpu_check writes a folder: give it with --output DIR")
+    if args.simulate is None and not torch.cuda.is_available():
+        p.error("--gpu_check needs a CUDA GPU; without one, run the dry run: --gpu_check --simulate h100-80gb")
+    if args.simulate is not None and not simulated_device(args.simulate).is_cuda:
+        p.error(f"--gpu_check --simulate takes a GPU ({', '.join(n for n, d in DEVICES.items() if d.is_cuda)})")
+    if args.time_budget <= 0:
+        p.error(f"--time_budget must be positive, got {args.time_budget}")
+    args.model = args.model or MODEL
+    # the longest length the max-context search tries: 4M on a GPU; the dry run stops at 256K (fake steps cost
+    # CPU time in proportion to their chunk count: 4M would take the dry run an hour)
+    args.max_len = args.max_len or (1 << 22 if args.simulate is None else 1 << 18)
+    try:
+        return resolve_model_config(args.model, max(args.max_len, max(LONG_LENGTHS)))
+    except ValueError as error:
+        p.error(str(error))
+
+
+def device_environment(spec: dict) -> dict:
+    """Worker task "environment": the card and the versions, read in a process like the ones that will run."""
+    import torch
+
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    env = {"ok": True, "python": platform.python_version(), "versions": versions, "torch_cuda": torch.version.cuda,
+           "cpu_count": os.cpu_count(), "hostname": platform.node()}
+    if spec.get("real"):
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info()
+        env |= {"gpu": props.name, "gpu_count": torch.cuda.device_count(), "memory_bytes": total,
+                "free_bytes_at_start": free, "capability": list(torch.cuda.get_device_capability(0)),
+                "multiprocessors": props.multi_processor_count, "driver": _nvidia_smi("driver_version"),
+                "bf16": torch.cuda.is_bf16_supported()}
+    else:
+        gpu = simulated_device(spec["simulate"])
+        env |= {"gpu": gpu.label, "gpu_count": 1, "memory_bytes": gpu.memory_bytes,
+                "capability": list(gpu.capability), "driver": None}
+    return env
+
+
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def card_of(gpu_name: str, memory_bytes: int) -> str:
+    """The simulated card that stands for a real one (by name, then the nearest memory among the H100 / A100 ones)."""
+    for key, card in CARDS:
+        if key in gpu_name:
+            if card == "a100-80gb" and memory_bytes < 50 * GIB:
+                return "a100-40gb"
+            return card
+    return "h100-80gb"
+
+
+class Check:
+    """The check's state: the report written after every change, the deadline, the workers it starts."""
+
+    def __init__(self, args: argparse.Namespace, model_config: dict, runner):
+        self.args, self.model_config, self.runner = args, model_config, runner
+        self.real = args.simulate is None
+        self.out = Path(args.output)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.start = time.time()
+        self.deadline = self.start + args.time_budget
+        self.card = args.simulate
+        self.report = {"gpu_check": "measured" if self.real else f"simulated {args.simulate}",
+                       "started": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
+                       "lora_r": LORA_R, "time_budget_s": args.time_budget, "parts_done": [],
+                       "environment": None, "memory": [], "speed": [], "cuda_tier": None, "max_context": None}
+        workers = max(1, min(8, (os.cpu_count() or 2) - 2))
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+
+    def left(self, part: str) -> float:
+        """Seconds this part may still use: to the deadline, less what the later parts keep."""
+        return self.deadline - time.time() - RESERVE_AFTER[part]
+
+    def save(self, part: str | None = None) -> None:
+        if part:
+            self.report["parts_done"].append(part)
+            print(f"[gpu_check] {part} done at {time.time() - self.start:.0f} s", flush=True)
+        self.report["seconds"] = round(time.time() - self.start, 1)
+        tmp = self.out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(self.report, indent=1, default=str))
+        os.replace(tmp, self.out / "gpu_check.json")
+        (self.out / "gpu_check.txt").write_text(format_table(self.report) + "\n")
+
+    def spec(self, side: str, bits: int = 16, **extra) -> dict:
+        return {"simulate": self.card, "side": side, "bits": bits, "model_config": self.model_config,
+                "batch_size": 1, "gradient_checkpointing": True, "lora": True, "lora_r": LORA_R,
+                "lora_targets": None, "lora_dropout": 0.0, "bpt": asdict(self.args.bpt), "malloc": "default",
+                "seed": self.args.seed, "top": 5, **extra}
+
+    def simulated(self, side: str, seq_len: int, bits: int = 16) -> concurrent.futures.Future:
+        """The simulation's row of a cell, on a CPU worker in the background."""
+        spec = self.spec(side, bits, task="simulate", seq_len=seq_len, layers=SIM_LAYERS, threads=1)
+        return self.pool.submit(self.runner, spec, None)
+
+    def cells(self, side: str, seq_lens, part: str, bits: int = 16, **extra) -> list[dict]:
+        """Run one side's lengths in one worker (on the GPU, or the simulated card); -> one row per length."""
+        extra.setdefault("layers", None if self.real else SIM_LAYERS)  # the dry run: as the simulated rows
+        spec = self.spec(side, bits, task="cells", real=self.real, seq_lens=list(seq_lens), **extra)
+        if self.real and bits == 4:
+            spec["quantiser"] = "bitsandbytes"
+        timeout = max(30.0, self.deadline - time.time() - RESERVE_AFTER[part] + 60)
+        print(f"[gpu_check] {part}: {side} {bits}-bit {list(seq_lens)} ...", flush=True)
+        result = self.runner(spec, timeout)
+        rows = result.get("cells") or result.get("partial", {}).get("cells", [])
+        for n in list(seq_lens)[len(rows):]:
+            rows.append({"seq_len": n, "ok": False, "error": result.get("error", "not run")})
+        for row in rows:
+            state = "ok" if row["ok"] else f"FAILED: {row['error']}"
+            print(f"[gpu_check]   {side:15s} {row['seq_len']:>8d}  {state}", flush=True)
+        return rows
+
+
+def _memory_row(side: str, bits: int, cell: dict, simulated: dict, real: bool) -> dict:
+    row = {"side": side, "seq_len": cell["seq_len"], "bits": bits, "ok": cell["ok"] and simulated.get("ok", False),
+           "measured": real, "simulated_bytes": simulated.get("peak_bytes"),
+           "simulated_step_bytes": simulated.get("step_bytes"), "measured_bytes": None, "measured_step_bytes": None,
+           "tracker_bytes": cell.get("peak_bytes"), "loss": cell.get("loss"), "quantiser": None,
+           "attention_paths": cell.get("attention_paths")}
+    if bits == 4:
+        row["quantiser"] = "bitsandbytes" if real else "emulated"
+    if cell["ok"]:
+        row["measured_bytes"] = cell["cuda_peak_bytes"] if real else cell["peak_bytes"]
+        row["measured_step_bytes"] = cell["cuda_step_bytes"] if real else cell["step_bytes"]
+    if row["measured_bytes"] and row["simulated_bytes"]:
+        row["measured_over_simulated"] = row["measured_bytes"] / row["simulated_bytes"]
+    errors = [e for e in (cell.get("error"), simulated.get("error")) if e]
+    if errors:
+        row["error"] = "; ".join(errors)
+    return row
+
+
+def _speed_row(side: str, bits: int, cell: dict, real: bool) -> dict:
+    row = {"side": side, "seq_len": cell["seq_len"], "bits": bits, "ok": cell["ok"], "simulated": not real,
+           "seconds_per_step": cell.get("seconds_per_step"), "tokens_per_second": cell.get("tokens_per_second"),
+           "steps": cell.get("timed_steps"), "step_seconds_each": cell.get("step_seconds_each"),
+           "warmup_seconds": cell.get("warmup_seconds"), "peak_bytes": cell.get("timed_peak_bytes"),
+           "loss": cell.get("timed_loss")}
+    if not cell["ok"]:
+        row["error"] = cell["error"]
+    return row
+
+
+def part_environment(check: Check) -> None:
+    env = check.runner({"task": "environment", "simulate": check.card, "real": check.real, "malloc": "default"}, 120)
+    if check.real and env.get("ok"):
+        check.card = card_of(env["gpu"], env["memory_bytes"])
+        env["simulated_as"] = check.card
+    check.report["environment"] = env
+    check.report["card"] = check.card
+    check.save("environment")
+
+
+def part_memory(check: Check, sims: dict) -> None:
+    groups = [(side, 16, MEMORY_LENGTHS) for side in MEMORY_SIDES] + [("patched", 4, (FOUR_BIT_LENGTH,))]
+    for side, bits, lengths in groups:
+        for cell in check.cells(side, lengths, "memory", bits, tracked=True, timed_steps=TIMED_STEPS):
+            simulated = sims[side, cell["seq_len"], bits].result()
+            check.report["memory"].append(_memory_row(side, bits, cell, simulated, check.real))
+            check.report["speed"].append(_speed_row(side, bits, cell, check.real))
+            check.save()
+    check.save("memory")
+
+
+def part_speed(check: Check) -> None:
+    groups = [("patched", LONG_LENGTHS), (PEER, MEMORY_LENGTHS + LONG_LENGTHS)]
+    for side, lengths in groups:
+        if side == PEER and not check.real:
+            cells = [{"seq_len": n, "ok": False, "error": "not run: Liger-Kernel's Triton kernels need a real GPU"}
+                     for n in lengths]
+        elif check.left("speed") <= 0:
+            cells = [{"seq_len": n, "ok": False, "error": "not run: the check's time budget"} for n in lengths]
+        else:
+            cells = check.cells(side, lengths, "speed", tracked=False, timed_steps=TIMED_STEPS,
+                                deadline=check.deadline - RESERVE_AFTER["speed"])
+        check.report["speed"].extend(_speed_row(side, 16, cell, check.real) for cell in cells)
+        check.save()
+    check.save("speed")
+
+
+def part_cuda_tier(check: Check) -> None:
+    """`python -m pytest -m cuda` on tests/test_cuda.py: counts, failures, the log in DIR/cuda_tier.log."""
+    tests = ROOT / "tests" / "test_cuda.py"
+    tier = {"command": "python -m pytest -m cuda -v tests/test_cuda.py", "passed": 0, "failed": 0, "skipped": 0,
+            "errors": 0, "tests": {}}
+    if not tests.exists():
+        tier["error"] = f"{tests} not found: the CUDA tier runs from a checkout of the repository"
+    else:
+        timeout = max(30.0, check.left("cuda_tier"))
+        command = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", str(tests)]
+        start = time.time()
+        from bpt.bench.workers import worker_env
+
+        try:
+            proc = subprocess.run(command, cwd=ROOT, env=worker_env("default"), capture_output=True, text=True,
+                                  timeout=timeout)
+            log, tier["returncode"] = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as stop:
+            log = (stop.stdout or b"").decode(errors="replace") if isinstance(stop.stdout, bytes) else (stop.stdout or "")
+            tier["error"] = f"stopped after {timeout:.0f} s (the check's time budget); counts are what finished"
+        tier["seconds"] = round(time.time() - start, 1)
+        (check.out / "cuda_tier.log").write_text(log)
+        for name, outcome in re.findall(r"::(\S+) (PASSED|FAILED|SKIPPED|ERROR)", log):
+            tier["tests"][name] = outcome.lower()
+            key = {"passed": "passed", "failed": "failed", "skipped": "skipped", "error": "errors"}[outcome.lower()]
+            tier[key] += 1
+        tier["failures"] = [line for line in log.splitlines() if line.startswith(("FAILED ", "ERROR "))][:20]
+        tier["skip_reasons"] = sorted({line.split(" ", 2)[-1] for line in log.splitlines()
+                                       if line.startswith("SKIPPED ")})[:5]
+    check.report["cuda_tier"] = tier
+    check.save("cuda_tier")
+
+
+def doubling(start: int, cap: int) -> list[int]:
+    lengths, n = [], start
+    while n <= cap:
+        lengths.append(n)
+        n *= 2
+    return lengths
+
+
+def simulated_find_max(check: Check, side: str) -> dict:
+    """The simulation's longest fitting length on the card (doubling, then bisection to FIND_MAX_RESOLUTION)."""
+    usable = simulated_device(check.card).usable_bytes
+    tried = {}
+
+    def fits(n: int) -> bool:
+        if time.time() > check.deadline - RESERVE_AFTER["max_context"]:
+            raise RuntimeError(f"stopped at the check's time budget before {n} tokens")
+        spec = check.spec(side, task="simulate", seq_len=n, layers=SIM_LAYERS, threads=1)
+        row = check.runner(spec, None)
+        if not row["ok"]:
+            raise RuntimeError(f"simulation of {side} at {n} tokens failed: {row['error']}")
+        tried[n] = row["peak_bytes"]
+        return row["peak_bytes"] <= usable
+
+    try:
+        longest, over = longest_fitting(fits, MAX_CONTEXT_START, check.args.max_len, FIND_MAX_RESOLUTION)
+    except RuntimeError as error:
+        return {"error": str(error), "peaks": tried}
+    return {"longest": longest, "first_over": over, "usable_bytes": usable, "resolution": FIND_MAX_RESOLUTION,
+            "peaks": {str(n): b for n, b in sorted(tried.items())}}
+
+
+def part_max_context(check: Check, find_max: dict) -> None:
+    env = check.report["environment"] or {}
+    total = env.get("memory_bytes") or simulated_device(check.card).memory_bytes
+    usable = total - RESERVE_BYTES
+    lengths = doubling(MAX_CONTEXT_START, check.args.max_len)
+    result = {"usable_bytes": usable, "reserve_bytes": RESERVE_BYTES, "measured": check.real,
+              "method": "doubling from 64K; each length stepped at 1 and 2 layers, bytes extended to the depth"}
+    for side in MAX_CONTEXT_SIDES:
+        if check.left("max_context") <= 0:
+            cells = [{"seq_len": lengths[0], "ok": False, "error": "not run: the check's time budget"}]
+        else:
+            cells = check.cells(side, lengths, "max_context", tracked=True, layers=1, stop_at_first_failure=True,
+                                usable_bytes=usable, deadline=check.deadline - RESERVE_AFTER["max_context"])
+        fitting = [c["seq_len"] for c in cells if c["ok"] and c.get("fits")]
+        over = next((c for c in cells if not (c["ok"] and c.get("fits"))), None)
+        try:
+            sim = find_max[side].result(timeout=max(1.0, check.deadline - time.time()))
+        except concurrent.futures.TimeoutError:
+            sim = {"error": "still running at the end of the check's time budget"}
+        result[side] = {
+            "longest": max(fitting) if fitting else None,
+            "first_over": over["seq_len"] if over and not over.get("skipped") else None,
+            "stopped": ("does not fit" if over["ok"] else over["error"]) if over else f"reached --max_len",
+            "trials": [{"seq_len": c["seq_len"], "ok": c["ok"], "fits": c.get("fits"),
+                        "peak_bytes": c.get("cuda_peak_bytes", c.get("peak_bytes")), "seconds": c.get("seconds"),
+                        **({"error": c["error"]} if not c["ok"] else {})} for c in cells],
+            "simulated_find_max": sim,
+        }
+        check.report["max_context"] = result
+        check.save()
+    check.save("max_context")
+
+
+def run(args: argparse.Namespace, model_config: dict, runner) -> dict:
+    """The whole check; -> the report (also in DIR/gpu_check.json)."""
+    check = Check(args, model_config, runner)
+    try:
+        part_environment(check)
+        if not check.report["environment"].get("ok"):
+            raise SystemExit(f"gpu_check: the environment worker failed: {check.report['environment'].get('error')}")
+        sims = {(side, n, 16): check.simulated(side, n) for n in MEMORY_LENGTHS for side in MEMORY_SIDES}
+        sims["patched", FOUR_BIT_LENGTH, 4] = check.simulated("patched", FOUR_BIT_LENGTH, 4)
+        find_max = {side: check.pool.submit(simulated_find_max, check, side) for side in MAX_CONTEXT_SIDES}
+        part_memory(check, sims)
+        part_speed(check)
+        part_cuda_tier(check)
+        part_max_context(check, find_max)
+    finally:
+        check.pool.shutdown(wait=False, cancel_futures=True)
+        check.save()
+    print()
+    print(format_table(check.report))
+    print(f"\nwrote {check.out / 'gpu_check.json'} and {check.out / 'gpu_check.txt'}")
+    return check.report
+
+
+def _gib(value) -> str:
+    return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def format_table(report: dict) -> str:
+    """The short text table of a check (every figure labelled measured or simulated)."""
+    what = report["gpu_check"]
+    env = report.get("environment") or {}
+    versions = env.get("versions") or {}
+    lines = [f"GPU check ({what}): {env.get('gpu', '?')}, {_gib(env.get('memory_bytes'))} GiB, driver "
+             f"{env.get('driver')}, CUDA {env.get('torch_cuda')}, " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+             f"model {report['model']} shapes (random weights), LoRA r {report['lora_r']}, bf16 autocast, "
+             f"checkpointing, batch 1; parts done: {', '.join(report['parts_done']) or 'none'} "
+             f"({report.get('seconds', 0):.0f} s)", ""]
+    measured = "measured" if report["gpu_check"] == "measured" else "tracker (simulated)"
+    lines.append(f"memory: peak allocated GiB of one step, {measured} vs simulated")
+    for r in report["memory"]:
+        ratio = f"{r['measured_over_simulated']:.3f}" if r.get("measured_over_simulated") else "-"
+        tail = f"  {r['error']}" if r.get("error") else ""
+        lines.append(f"  {r['side']:15s} {r['bits']:>2d}-bit {r['seq_len']:>7d}  {_gib(r['measured_bytes']):>7s}  "
+                     f"{_gib(r['simulated_bytes']):>7s}  x{ratio}{tail}")
+    lines += ["", "speed: median s/step, tokens/s, peak allocated GiB (1 warm-up, then the median of the timed steps)"]
+    for r in report["speed"]:
+        if r["ok"] and r["seconds_per_step"] is not None:
+            figures = f"{r['seconds_per_step']:8.3f} s  {r['tokens_per_second']:9.0f} tok/s  {_gib(r['peak_bytes'])} GiB"
+        elif r["ok"]:
+            figures = "ran on the simulated card: no timing"
+        else:
+            figures = r["error"]
+        lines.append(f"  {r['side']:15s} {r['bits']:>2d}-bit {r['seq_len']:>7d}  {figures}")
+    tier = report.get("cuda_tier")
+    if tier:
+        lines += ["", f"CUDA tier: {tier['passed']} passed, {tier['failed']} failed, {tier['skipped']} skipped, "
+                      f"{tier['errors']} errors" + (f" ({tier['error']})" if tier.get("error") else "")]
+        lines += [f"  {line}" for line in tier.get("failures", [])]
+    context = report.get("max_context")
+    if context:
+        lines += ["", f"max context ({'measured' if context['measured'] else 'simulated'}; {context['method']}), "
+                      f"usable {_gib(context['usable_bytes'])} GiB"]
+        for side in MAX_CONTEXT_SIDES:
+            if side in context:
+                c = context[side]
+                sim = c["simulated_find_max"]
+                lines.append(f"  {side:15s} longest {c['longest']} (stopped: {c['stopped']}); simulated --find_max "
+                             f"{sim.get('longest', sim.get('error'))}")
+    return "\n".join(lines)
