@@ -34,7 +34,7 @@ def test_plan_of_a_tiny_local_model_prints_a_verdict_and_trains_nothing(tiny, tm
     assert text.startswith("--plan rtx4090-24gb: simulated, not measured; no weights loaded, no training\n"), text
     assert f"config.json of {tiny / 'model'}" in text
     assert _verdict(text).startswith("FITS, ") and _verdict(text).endswith("(simulated)")
-    assert "optimizer state: adamw, 8 B x" in text and "uncalibrated" in text
+    assert "optimizer state: adamw, 8 B x" in text and "measured on one H100" in text
     assert len(re.findall(r"^    .* (float32|bfloat16) \[", text, re.M)) == 5  # the five largest at the peak
     # The model positions 128 tokens and no --rope_scaling is set: the longest allowed, and it fits.
     assert "  longest  --max_seq_len 128 fits, the longest allowed (the model's positions" in text

@@ -1,8 +1,11 @@
 """Tiny configs, one per supported family (plus variants), for exactness tests. No downloads."""
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 VOCAB = 97
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -177,7 +180,11 @@ _TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def tiny_config(name: str, **overrides):
+    """The tiny config of a variant; a test of a family this transformers does not have yet is skipped, naming the
+    version (the floor tier runs transformers 5.17, which predates some families)."""
     model_type, kwargs = TINY_CONFIGS[name]
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"{model_type} is newer than the installed transformers {transformers.__version__}")
     return AutoConfig.for_model(model_type, **{**_TOKENS, **kwargs, **overrides})
 
 

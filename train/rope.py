@@ -59,9 +59,18 @@ def _check_rotary(config) -> None:
     if getattr(config, "max_position_embeddings", None) is None or not isinstance(rope, dict):
         raise UserError(f"--rope_scaling needs a model with rotary position embeddings; {config.model_type} has "
                         "none. Drop --rope_scaling and keep --max_seq_len within the model's positions")
-    if config.nested_rope_parameter_keys(rope):
+    if _per_layer_type(config, rope):
         raise UserError(f"--rope_scaling is not supported for {config.model_type}, whose RoPE differs per layer "
                         "type; drop --rope_scaling")
+
+
+def _per_layer_type(config, rope: dict) -> bool:
+    """Whether `rope` holds one RoPE per layer type (Gemma3-style), as transformers >= 5.2x says it
+    (`nested_rope_parameter_keys`); before that method existed, the keys that name the config's layer types."""
+    if hasattr(config, "nested_rope_parameter_keys"):
+        return bool(config.nested_rope_parameter_keys(rope))
+    labels = getattr(config, "_rope_type_labels", None) or getattr(config, "layer_types", None) or ()
+    return any(key in labels for key in rope)
 
 
 def set_rope_scaling(config, kind: str, factor: float) -> None:

@@ -12,7 +12,7 @@ its time limit keeps what finished:
      as the peer on the same card;
   d. the CUDA tier: `python -m pytest -m cuda`, its counts and failures (DIR/cuda_tier.log);
   e. the longest context that fits this card, patched and patched+offload: doubling from 64K, each length stepped
-     at 1 and 2 layers and extended to the depth (as --simulate --layers), bounded by the time left; beside it the
+     at 2 and 3 layers and extended to the depth (as --simulate --layers), bounded by the time left; beside it the
      simulation's --find_max on the same card.
 With --simulate CARD every part runs on that simulated card instead (the dry run CI runs): "measured" bytes are
 then the tracker's on fake tensors, timings are absent, and the Liger rows say why they did not run.
@@ -25,6 +25,7 @@ import argparse
 import concurrent.futures
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -53,7 +54,7 @@ MAX_CONTEXT_START = 65536
 FIND_MAX_RESOLUTION = 8192  # the simulation's bisection on the card, in tokens
 SIM_LAYERS = 2  # the simulated rows run 2 and 3 layers and extend the (linear) bytes to the depth
 # Seconds each part leaves for the parts after it, out of the check's budget.
-RESERVE_AFTER = {"memory": 240, "speed": 150, "cuda_tier": 45, "max_context": 5}
+RESERVE_AFTER = {"memory": 300, "speed": 200, "cuda_tier": 50, "max_context": 5}
 LIBRARIES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel", "triton", "datasets")
 CARDS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100-80gb"), ("L40S", "l40s-48gb"),
          ("4090", "rtx4090-24gb"))
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run the prepared check of this GPU (memory against the simulation, speed against "
                             "stock and Liger-Kernel, the CUDA tests, the longest context): --output is a folder; "
                             "with --simulate CARD it runs on that simulated card (the dry run)")
-    group.add_argument("--time_budget", type=float, default=420.0,
+    group.add_argument("--time_budget", type=float, default=480.0,
                        help="with --gpu_check: seconds for the whole check, shared out so every part gets its turn")
 
 
@@ -83,9 +84,9 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     if args.time_budget <= 0:
         p.error(f"--time_budget must be positive, got {args.time_budget}")
     args.model = args.model or MODEL
-    # the longest length the max-context search tries: 4M on a GPU; the dry run stops at 256K (fake steps cost
-    # CPU time in proportion to their chunk count: 4M would take the dry run an hour)
-    args.max_len = args.max_len or (1 << 22 if args.simulate is None else 1 << 18)
+    # the longest length the max-context search tries: 4M on a GPU; the dry run tries its first length only (a fake
+    # step costs CPU time in proportion to its chunk count: 4M would take the dry run an hour)
+    args.max_len = args.max_len or (1 << 22 if args.simulate is None else MAX_CONTEXT_START)
     try:
         return resolve_model_config(args.model, max(args.max_len, max(LONG_LENGTHS)))
     except ValueError as error:
@@ -178,7 +179,11 @@ class Check:
     def simulated(self, side: str, seq_len: int, bits: int = 16) -> concurrent.futures.Future:
         """The simulation's row of a cell, on a CPU worker in the background."""
         spec = self.spec(side, bits, task="simulate", seq_len=seq_len, layers=SIM_LAYERS, threads=1)
-        return self.pool.submit(self.runner, spec, None)
+        return self.pool.submit(lambda: self.runner(spec, self.until_deadline()))
+
+    def until_deadline(self) -> float:
+        """A background worker's timeout: it ends with the check (a finished check waits for no worker)."""
+        return max(10.0, self.deadline - time.time())
 
     def cells(self, side: str, seq_lens, part: str, bits: int = 16, **extra) -> list[dict]:
         """Run one side's lengths in one worker (on the GPU, or the simulated card); -> one row per length."""
@@ -250,7 +255,8 @@ def part_memory(check: Check, sims: dict) -> None:
 
 
 def part_speed(check: Check) -> None:
-    groups = [("patched", LONG_LENGTHS), (PEER, MEMORY_LENGTHS + LONG_LENGTHS)]
+    # the peer at the memory part's lengths first (like for like with the rows above), then the long ones
+    groups = [(PEER, MEMORY_LENGTHS), ("patched", LONG_LENGTHS), (PEER, LONG_LENGTHS)]
     for side, lengths in groups:
         if side == PEER and not check.real:
             cells = [{"seq_len": n, "ok": False, "error": "not run: Liger-Kernel's Triton kernels need a real GPU"}
@@ -265,35 +271,67 @@ def part_speed(check: Check) -> None:
     check.save("speed")
 
 
+# Runs pytest with a plugin that writes each test's outcome (and a failure's text) to a file as it happens: a tier
+# stopped at the check's time limit still says what failed and why.
+_TIER_RUNNER = """\
+import json, sys, pytest
+path = sys.argv[1]
+class Stream:
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            with open(path, "a") as f:
+                f.write(json.dumps({"test": report.nodeid.split("::", 1)[-1], "when": report.when,
+                                    "outcome": report.outcome, "seconds": round(report.duration, 1),
+                                    "detail": report.longreprtext[-3000:] if report.failed else ""}) + "\\n")
+sys.exit(pytest.main(sys.argv[2:], plugins=[Stream()]))
+"""
+
+
+def cuda_test_files() -> list[Path]:
+    """The test modules with tests marked cuda."""
+    return sorted(p for p in (ROOT / "tests").glob("test_*.py") if "mark.cuda" in p.read_text())
+
+
 def part_cuda_tier(check: Check) -> None:
-    """`python -m pytest -m cuda` on tests/test_cuda.py: counts, failures, the log in DIR/cuda_tier.log."""
-    tests = ROOT / "tests" / "test_cuda.py"
-    tier = {"command": "python -m pytest -m cuda -v tests/test_cuda.py", "passed": 0, "failed": 0, "skipped": 0,
-            "errors": 0, "tests": {}}
-    if not tests.exists():
-        tier["error"] = f"{tests} not found: the CUDA tier runs from a checkout of the repository"
+    """`python -m pytest -m cuda` over the modules that have such tests: counts, each failure's text, the log in
+    DIR/cuda_tier.log."""
+    files = cuda_test_files() if (ROOT / "tests").is_dir() else []
+    tier = {"command": "python -m pytest -m cuda " + " ".join(f"tests/{f.name}" for f in files), "passed": 0,
+            "failed": 0, "skipped": 0, "errors": 0, "tests": {}, "failures": []}
+    if not files:
+        tier["error"] = f"{ROOT / 'tests'} has no cuda tests: the CUDA tier runs from a checkout of the repository"
     else:
-        timeout = max(30.0, check.left("cuda_tier"))
-        command = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", str(tests)]
-        start = time.time()
         from bpt.bench.workers import worker_env
 
+        timeout = max(30.0, check.left("cuda_tier"))
+        outcomes = check.out / "cuda_tier.jsonl"
+        outcomes.unlink(missing_ok=True)
+        per_test = ["--timeout", "150"] if importlib.util.find_spec("pytest_timeout") else []
+        command = [sys.executable, "-c", _TIER_RUNNER, str(outcomes), "-m", "cuda", "-v", "-p", "no:cacheprovider",
+                   *per_test, *map(str, files)]
+        start = time.time()
         try:
             proc = subprocess.run(command, cwd=ROOT, env=worker_env("default"), capture_output=True, text=True,
                                   timeout=timeout)
             log, tier["returncode"] = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as stop:
-            log = (stop.stdout or b"").decode(errors="replace") if isinstance(stop.stdout, bytes) else (stop.stdout or "")
+            log = stop.stdout.decode(errors="replace") if isinstance(stop.stdout, bytes) else (stop.stdout or "")
             tier["error"] = f"stopped after {timeout:.0f} s (the check's time budget); counts are what finished"
         tier["seconds"] = round(time.time() - start, 1)
         (check.out / "cuda_tier.log").write_text(log)
-        for name, outcome in re.findall(r"::(\S+) (PASSED|FAILED|SKIPPED|ERROR)", log):
-            tier["tests"][name] = outcome.lower()
-            key = {"passed": "passed", "failed": "failed", "skipped": "skipped", "error": "errors"}[outcome.lower()]
-            tier[key] += 1
-        tier["failures"] = [line for line in log.splitlines() if line.startswith(("FAILED ", "ERROR "))][:20]
-        tier["skip_reasons"] = sorted({line.split(" ", 2)[-1] for line in log.splitlines()
-                                       if line.startswith("SKIPPED ")})[:5]
+        reports = [json.loads(line) for line in outcomes.read_text().splitlines()] if outcomes.exists() else []
+        for report in reports:
+            outcome = report["outcome"] if report["outcome"] != "failed" or report["when"] == "call" else "error"
+            if tier["tests"].get(report["test"]) in ("failed", "error"):
+                continue  # a teardown after a failure does not change the verdict
+            tier["tests"][report["test"]] = {"passed": "passed", "skipped": "skipped", "failed": "failed",
+                                            "error": "error"}[outcome]
+            if report["detail"]:
+                tier["failures"].append({"test": report["test"], "when": report["when"],
+                                         "detail": report["detail"]})
+        for verdict in tier["tests"].values():
+            tier[{"error": "errors"}.get(verdict, verdict)] += 1
+        outcomes.unlink(missing_ok=True)
     check.report["cuda_tier"] = tier
     check.save("cuda_tier")
 
@@ -315,7 +353,7 @@ def simulated_find_max(check: Check, side: str) -> dict:
         if time.time() > check.deadline - RESERVE_AFTER["max_context"]:
             raise RuntimeError(f"stopped at the check's time budget before {n} tokens")
         spec = check.spec(side, task="simulate", seq_len=n, layers=SIM_LAYERS, threads=1)
-        row = check.runner(spec, None)
+        row = check.runner(spec, check.until_deadline())
         if not row["ok"]:
             raise RuntimeError(f"simulation of {side} at {n} tokens failed: {row['error']}")
         tried[n] = row["peak_bytes"]
@@ -335,12 +373,15 @@ def part_max_context(check: Check, find_max: dict) -> None:
     usable = total - RESERVE_BYTES
     lengths = doubling(MAX_CONTEXT_START, check.args.max_len)
     result = {"usable_bytes": usable, "reserve_bytes": RESERVE_BYTES, "measured": check.real,
-              "method": "doubling from 64K; each length stepped at 1 and 2 layers, bytes extended to the depth"}
+              "method": f"doubling from 64K; each length stepped at {SIM_LAYERS} and {SIM_LAYERS + 1} layers, "
+                        "bytes extended to the depth"}
     for side in MAX_CONTEXT_SIDES:
         if check.left("max_context") <= 0:
             cells = [{"seq_len": lengths[0], "ok": False, "error": "not run: the check's time budget"}]
         else:
-            cells = check.cells(side, lengths, "max_context", tracked=True, layers=1, stop_at_first_failure=True,
+            # 2 and 3 layers as the simulation: from 1 layer the peak sits in the loss, not in a layer, and 1 -> 2
+            # is not the per-layer growth (64K patched: 2.5x the simulation's figure)
+            cells = check.cells(side, lengths, "max_context", tracked=True, layers=SIM_LAYERS, stop_at_first_failure=True,
                                 usable_bytes=usable, deadline=check.deadline - RESERVE_AFTER["max_context"])
         fitting = [c["seq_len"] for c in cells if c["ok"] and c.get("fits")]
         over = next((c for c in cells if not (c["ok"] and c.get("fits"))), None)
@@ -351,7 +392,7 @@ def part_max_context(check: Check, find_max: dict) -> None:
         result[side] = {
             "longest": max(fitting) if fitting else None,
             "first_over": over["seq_len"] if over and not over.get("skipped") else None,
-            "stopped": ("does not fit" if over["ok"] else over["error"]) if over else f"reached --max_len",
+            "stopped": ("does not fit" if over["ok"] else over["error"]) if over else "reached --max_len",
             "trials": [{"seq_len": c["seq_len"], "ok": c["ok"], "fits": c.get("fits"),
                         "peak_bytes": c.get("cuda_peak_bytes", c.get("peak_bytes")), "seconds": c.get("seconds"),
                         **({"error": c["error"]} if not c["ok"] else {})} for c in cells],
@@ -419,7 +460,9 @@ def format_table(report: dict) -> str:
     if tier:
         lines += ["", f"CUDA tier: {tier['passed']} passed, {tier['failed']} failed, {tier['skipped']} skipped, "
                       f"{tier['errors']} errors" + (f" ({tier['error']})" if tier.get("error") else "")]
-        lines += [f"  {line}" for line in tier.get("failures", [])]
+        for failure in tier.get("failures", []):
+            last = (failure["detail"].strip().splitlines() or [""])[-1]
+            lines.append(f"  FAILED {failure['test']} ({failure['when']}): {last[:200]}")
     context = report.get("max_context")
     if context:
         lines += ["", f"max context ({'measured' if context['measured'] else 'simulated'}; {context['method']}), "

@@ -108,12 +108,14 @@ def build_simulated_model(spec: dict, layers: int, device: torch.device | None =
     if spec["lora"]:
         from peft import LoraConfig, get_peft_model
 
-        from bpt.gpusim.quant4 import lora_like_bitsandbytes
-
         targets = spec.get("lora_targets") or "all-linear"
         lora = LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"], lora_dropout=spec.get("lora_dropout", 0.0),
                           target_modules=targets, task_type="CAUSAL_LM", modules_to_save=spec.get("modules_to_save"))
-        model = get_peft_model(model, lora if bitsandbytes else lora_like_bitsandbytes(lora))
+        if bits == 4 and not bitsandbytes:  # peft's class for a bitsandbytes layer (it imports bitsandbytes)
+            from bpt.gpusim.quant4 import lora_like_bitsandbytes
+
+            lora = lora_like_bitsandbytes(lora)
+        model = get_peft_model(model, lora)
     return model, patch(model, spec, compile=False)
 
 
