@@ -51,6 +51,7 @@ def test_dry_run_memory_rows_are_the_simulation_on_both_paths(dry_run):
         assert abs(row["measured_over_simulated"] - 1) < 0.05, row
         if row["side"] == "stock":
             assert row["measured_bytes"] == row["simulated_bytes"], row
+    assert [r["quantiser"] for r in rows if r["bits"] == 4] == ["emulated"]  # bitsandbytes on a real GPU only
     stock, patched = ({r["seq_len"]: r["simulated_bytes"] for r in rows if r["side"] == side and r["bits"] == 16}
                       for side in ("stock", "patched"))
     assert patched[32768] < stock[32768] / 4  # the patch's saving is in the rows, not only their presence
@@ -81,22 +82,19 @@ def test_dry_run_cuda_tier_and_max_context(dry_run):
             assert abs(trial["peak_bytes"] / simulated[str(n)] - 1) < 0.02, (n, trial, simulated)
 
 
-def test_cuda_tier_keeps_each_failure_with_its_text(tmp_path, monkeypatch):
-    tests = tmp_path / "test_probe.py"
-    tests.write_text("import pytest\n\n@pytest.mark.cuda\ndef test_ok():\n    pass\n\n"
-                     "@pytest.mark.cuda\ndef test_wrong():\n    assert 1 + 1 == 3, 'arithmetic'\n")
-    monkeypatch.setattr(gpu_check, "cuda_test_files", lambda: [tests])
-
-    class Check:
-        out, report = tmp_path, {}
-        left = staticmethod(lambda part: 120.0)
-        save = staticmethod(lambda part=None: None)
-
-    gpu_check.part_cuda_tier(Check)
-    tier = Check.report["cuda_tier"]
-    assert (tier["passed"], tier["failed"], tier["errors"]) == (1, 1, 0)
-    assert tier["tests"] == {"test_ok": "passed", "test_wrong": "failed"}
+def test_cuda_tier_keeps_each_failure_with_its_text(tmp_path):
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "test_probe.py").write_text(
+        "import pytest\n\n@pytest.mark.cuda\ndef test_ok():\n    pass\n\n"
+        "@pytest.mark.cuda\ndef test_wrong():\n    assert 1 + 1 == 3, 'arithmetic'\n\n"
+        "def test_not_cuda():\n    raise AssertionError('deselected: never runs')\n")
+    (checkout / "test_broken.py").write_text("import no_such_package_here\n")
+    tier = gpu_check.run_cuda_tier(checkout, tmp_path, 120.0)
+    assert (tier["passed"], tier["failed"], tier["errors"]) == (1, 1, 0), tier
+    assert tier["verdicts"] == {"test_ok": "passed", "test_wrong": "failed"}
     assert "arithmetic" in tier["failures"][0]["detail"]
+    assert len(tier["not_collected"]) == 1 and "no_such_package_here" in tier["not_collected"][0]
     assert "test_wrong" in gpu_check.format_table({
         "gpu_check": "measured", "model": "m", "lora_r": 16, "parts_done": [], "memory": [], "speed": [],
         "cuda_tier": tier})

@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from bpt.bench.simulate import (build_simulated_model, extrapolated_to_depth, patch, step_inputs, tracked_step,
-                                training_step, transformers_sees_real_tensors)
+from bpt.bench.simulate import (build_simulated_model, extrapolated_to_depth, patch, quantiser, step_inputs,
+                                tracked_step, training_step, transformers_sees_real_tensors)
 from bpt.gpusim.gpus import device as simulated_device
 
 
@@ -119,7 +119,8 @@ def _cell(models: _Models, spec: dict, seq_len: int, layers: int, real: bool) ->
 
 
 def _one_length(models: _Models, spec: dict, seq_len: int, depth: int, layers: int, real: bool) -> dict:
-    row = {"seq_len": seq_len, "layers": layers, "depth": depth, "extrapolated": layers != depth}
+    row = {"seq_len": seq_len, "layers": layers, "depth": depth, "extrapolated": layers != depth,
+           "quantiser": quantiser(models.sim.torch_device if real else None) if spec["bits"] == 4 else None}
     try:
         step = _cell(models, spec, seq_len, layers, real)
         if layers != depth and "peak_bytes" in step:  # bytes to extend; a timed-only cell is the `layers` step

@@ -167,11 +167,7 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         p.error("--find_max needs --max_len (the cap for doubling the length)")
     if args.max_len is not None and args.max_len <= 0:
         p.error(f"--max_len must be positive, got {args.max_len}")
-    try:
-        args.bpt = BPTConfig(q_block=args.q_block, kv_block=args.kv_block, mlp_chunk=args.mlp_chunk,
-                             loss_chunk=args.loss_chunk, norm_chunk=args.norm_chunk, compile=args.bpt_compile)
-    except ValueError as error:
-        p.error(str(error))
+    args.bpt = patch_config(p, args)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device == "cuda" and not torch.cuda.is_available():
@@ -223,17 +219,22 @@ def validate_sp_model(p: argparse.ArgumentParser, args: argparse.Namespace, conf
                     "ring for them)")
 
 
+def patch_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> BPTConfig:
+    """The patch's settings from the block-size and compile flags (an impossible value exits with status 2)."""
+    try:
+        return BPTConfig(q_block=args.q_block, kv_block=args.kv_block, mlp_chunk=args.mlp_chunk,
+                         loss_chunk=args.loss_chunk, norm_chunk=args.norm_chunk, compile=args.bpt_compile)
+    except ValueError as error:
+        p.error(str(error))
+
+
 def validate_gpu_check(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """--gpu_check: its own cells; of the other flags only the patch's block sizes and compile setting apply."""
     fixed = [f"--{name}" for name in ("sequence_parallel", "find_max", "calibrate", "lora_targets", "layers")
              if getattr(args, name)] + (["--sides"] if args.sides != ["stock", "patched"] else [])
     if fixed:
         p.error(f"--gpu_check runs fixed cells (bpt.bench.gpu_check); drop {', '.join(fixed)}")
-    try:
-        args.bpt = BPTConfig(q_block=args.q_block, kv_block=args.kv_block, mlp_chunk=args.mlp_chunk,
-                             loss_chunk=args.loss_chunk, norm_chunk=args.norm_chunk, compile=args.bpt_compile)
-    except ValueError as error:
-        p.error(str(error))
+    args.bpt = patch_config(p, args)
     return gpu_check.validate(p, args)
 
 

@@ -10,7 +10,8 @@ its time limit keeps what finished:
   c. speed: median seconds per step and tokens per second of the same cells (1 warm-up, 3 synchronised steps,
      the patch compiled as users get it), patched at 64K and 128K, and Liger-Kernel's patch on the same lengths
      as the peer on the same card;
-  d. the CUDA tier: `python -m pytest -m cuda`, its counts and failures (DIR/cuda_tier.log);
+  d. the CUDA tier: `python -m pytest -m cuda` in the checkout, its counts and each failure's text
+     (DIR/cuda_tier.log);
   e. the longest context that fits this card, patched and patched+offload: doubling from 64K, each length stepped
      at 2 and 3 layers and extended to the depth (as --simulate --layers), bounded by the time left; beside it the
      simulation's --find_max on the same card.
@@ -62,7 +63,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("GPU check (python -m bpt.bench --gpu_check --output DIR; see bpt.bench.gpu_check)")
+    group = parser.add_argument_group(
+        "GPU check (python -m bpt.bench --gpu_check --output DIR; see bpt.bench.gpu_check)")
     group.add_argument("--gpu_check", action="store_true",
                        help="run the prepared check of this GPU (memory against the simulation, speed against "
                             "stock and Liger-Kernel, the CUDA tests, the longest context): --output is a folder; "
@@ -189,8 +191,6 @@ class Check:
         """Run one side's lengths in one worker (on the GPU, or the simulated card); -> one row per length."""
         extra.setdefault("layers", None if self.real else SIM_LAYERS)  # the dry run: as the simulated rows
         spec = self.spec(side, bits, task="cells", real=self.real, seq_lens=list(seq_lens), **extra)
-        if self.real and bits == 4:
-            spec["quantiser"] = "bitsandbytes"
         timeout = max(30.0, self.deadline - time.time() - RESERVE_AFTER[part] + 60)
         print(f"[gpu_check] {part}: {side} {bits}-bit {list(seq_lens)} ...", flush=True)
         result = self.runner(spec, timeout)
@@ -210,7 +210,7 @@ def _memory_row(side: str, bits: int, cell: dict, simulated: dict, real: bool) -
            "tracker_bytes": cell.get("peak_bytes"), "loss": cell.get("loss"), "quantiser": None,
            "attention_paths": cell.get("attention_paths")}
     if bits == 4:
-        row["quantiser"] = "bitsandbytes" if real else "emulated"
+        row["quantiser"] = cell.get("quantiser")
     if cell["ok"]:
         row["measured_bytes"] = cell["cuda_peak_bytes"] if real else cell["peak_bytes"]
         row["measured_step_bytes"] = cell["cuda_step_bytes"] if real else cell["step_bytes"]
@@ -272,66 +272,72 @@ def part_speed(check: Check) -> None:
 
 
 # Runs pytest with a plugin that writes each test's outcome (and a failure's text) to a file as it happens: a tier
-# stopped at the check's time limit still says what failed and why.
+# stopped at the check's time limit still says what failed and why. Modules that cannot be imported here (a package
+# the machine lacks) are listed apart, not counted as failed tests.
 _TIER_RUNNER = """\
 import json, sys, pytest
 path = sys.argv[1]
+def note(**row):
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\\n")
 class Stream:
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":
-            with open(path, "a") as f:
-                f.write(json.dumps({"test": report.nodeid.split("::", 1)[-1], "when": report.when,
-                                    "outcome": report.outcome, "seconds": round(report.duration, 1),
-                                    "detail": report.longreprtext[-3000:] if report.failed else ""}) + "\\n")
+            note(test=report.nodeid.split("::", 1)[-1], when=report.when, outcome=report.outcome,
+                 seconds=round(report.duration, 1), detail=report.longreprtext[-3000:] if report.failed else "")
+    def pytest_collectreport(self, report):
+        if report.failed:
+            note(module=report.nodeid, detail=report.longreprtext[-1000:])
 sys.exit(pytest.main(sys.argv[2:], plugins=[Stream()]))
 """
 
 
-def cuda_test_files() -> list[Path]:
-    """The test modules with tests marked cuda."""
-    return sorted(p for p in (ROOT / "tests").glob("test_*.py") if "mark.cuda" in p.read_text())
+def run_cuda_tier(where: Path, out: Path, timeout: float) -> dict:
+    """`python -m pytest -m cuda` in the checkout `where` (its own pytest configuration finds the tests): counts,
+    each failure's text, the modules that could not be collected; the log in out/cuda_tier.log."""
+    from bpt.bench.workers import worker_env
+
+    tier = {"command": "python -m pytest -m cuda", "passed": 0, "failed": 0, "skipped": 0, "errors": 0, "verdicts": {},
+            "failures": [], "not_collected": []}
+    outcomes = out / "cuda_tier.jsonl"
+    outcomes.unlink(missing_ok=True)
+    per_test = ["--timeout", "150"] if importlib.util.find_spec("pytest_timeout") else []
+    command = [sys.executable, "-c", _TIER_RUNNER, str(outcomes), "-m", "cuda", "-v", "-p", "no:cacheprovider",
+               "--continue-on-collection-errors", *per_test]
+    start = time.time()
+    try:
+        proc = subprocess.run(command, cwd=where, env=worker_env("default"), capture_output=True, text=True,
+                              timeout=timeout)
+        log, tier["returncode"] = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as stop:
+        log = stop.stdout.decode(errors="replace") if isinstance(stop.stdout, bytes) else (stop.stdout or "")
+        tier["error"] = f"stopped after {timeout:.0f} s (the check's time budget); counts are what finished"
+    tier["seconds"] = round(time.time() - start, 1)
+    (out / "cuda_tier.log").write_text(log)
+    reports = [json.loads(line) for line in outcomes.read_text().splitlines()] if outcomes.exists() else []
+    outcomes.unlink(missing_ok=True)
+    for report in reports:
+        if "module" in report:
+            last = (report["detail"].strip().splitlines() or [""])[-1]
+            tier["not_collected"].append(f"{report['module']}: {last[:200]}")
+            continue
+        verdict = report["outcome"] if report["outcome"] != "failed" or report["when"] == "call" else "error"
+        if tier["verdicts"].get(report["test"]) in ("failed", "error"):
+            continue  # a teardown after a failure does not change the verdict
+        tier["verdicts"][report["test"]] = verdict
+        if report["detail"]:
+            tier["failures"].append({"test": report["test"], "when": report["when"], "detail": report["detail"]})
+    for verdict in tier["verdicts"].values():
+        tier[{"error": "errors"}.get(verdict, verdict)] += 1
+    return tier
 
 
 def part_cuda_tier(check: Check) -> None:
-    """`python -m pytest -m cuda` over the modules that have such tests: counts, each failure's text, the log in
-    DIR/cuda_tier.log."""
-    files = cuda_test_files() if (ROOT / "tests").is_dir() else []
-    tier = {"command": "python -m pytest -m cuda " + " ".join(f"tests/{f.name}" for f in files), "passed": 0,
-            "failed": 0, "skipped": 0, "errors": 0, "tests": {}, "failures": []}
-    if not files:
-        tier["error"] = f"{ROOT / 'tests'} has no cuda tests: the CUDA tier runs from a checkout of the repository"
+    if (ROOT / "pyproject.toml").exists():
+        tier = run_cuda_tier(ROOT, check.out, max(30.0, check.left("cuda_tier")))
     else:
-        from bpt.bench.workers import worker_env
-
-        timeout = max(30.0, check.left("cuda_tier"))
-        outcomes = check.out / "cuda_tier.jsonl"
-        outcomes.unlink(missing_ok=True)
-        per_test = ["--timeout", "150"] if importlib.util.find_spec("pytest_timeout") else []
-        command = [sys.executable, "-c", _TIER_RUNNER, str(outcomes), "-m", "cuda", "-v", "-p", "no:cacheprovider",
-                   *per_test, *map(str, files)]
-        start = time.time()
-        try:
-            proc = subprocess.run(command, cwd=ROOT, env=worker_env("default"), capture_output=True, text=True,
-                                  timeout=timeout)
-            log, tier["returncode"] = proc.stdout + proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as stop:
-            log = stop.stdout.decode(errors="replace") if isinstance(stop.stdout, bytes) else (stop.stdout or "")
-            tier["error"] = f"stopped after {timeout:.0f} s (the check's time budget); counts are what finished"
-        tier["seconds"] = round(time.time() - start, 1)
-        (check.out / "cuda_tier.log").write_text(log)
-        reports = [json.loads(line) for line in outcomes.read_text().splitlines()] if outcomes.exists() else []
-        for report in reports:
-            outcome = report["outcome"] if report["outcome"] != "failed" or report["when"] == "call" else "error"
-            if tier["tests"].get(report["test"]) in ("failed", "error"):
-                continue  # a teardown after a failure does not change the verdict
-            tier["tests"][report["test"]] = {"passed": "passed", "skipped": "skipped", "failed": "failed",
-                                            "error": "error"}[outcome]
-            if report["detail"]:
-                tier["failures"].append({"test": report["test"], "when": report["when"],
-                                         "detail": report["detail"]})
-        for verdict in tier["tests"].values():
-            tier[{"error": "errors"}.get(verdict, verdict)] += 1
-        outcomes.unlink(missing_ok=True)
+        tier = {"error": f"{ROOT} is not a checkout: the CUDA tier runs the repository's tests", "passed": 0,
+                "failed": 0, "skipped": 0, "errors": 0}
     check.report["cuda_tier"] = tier
     check.save("cuda_tier")
 
@@ -381,7 +387,8 @@ def part_max_context(check: Check, find_max: dict) -> None:
         else:
             # 2 and 3 layers as the simulation: from 1 layer the peak sits in the loss, not in a layer, and 1 -> 2
             # is not the per-layer growth (64K patched: 2.5x the simulation's figure)
-            cells = check.cells(side, lengths, "max_context", tracked=True, layers=SIM_LAYERS, stop_at_first_failure=True,
+            cells = check.cells(side, lengths, "max_context", tracked=True, layers=SIM_LAYERS,
+                                stop_at_first_failure=True,
                                 usable_bytes=usable, deadline=check.deadline - RESERVE_AFTER["max_context"])
         fitting = [c["seq_len"] for c in cells if c["ok"] and c.get("fits")]
         over = next((c for c in cells if not (c["ok"] and c.get("fits"))), None)
@@ -436,7 +443,8 @@ def format_table(report: dict) -> str:
     env = report.get("environment") or {}
     versions = env.get("versions") or {}
     lines = [f"GPU check ({what}): {env.get('gpu', '?')}, {_gib(env.get('memory_bytes'))} GiB, driver "
-             f"{env.get('driver')}, CUDA {env.get('torch_cuda')}, " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+             f"{env.get('driver')}, CUDA {env.get('torch_cuda')}, "
+             + ", ".join(f"{k} {v}" for k, v in versions.items()),
              f"model {report['model']} shapes (random weights), LoRA r {report['lora_r']}, bf16 autocast, "
              f"checkpointing, batch 1; parts done: {', '.join(report['parts_done']) or 'none'} "
              f"({report.get('seconds', 0):.0f} s)", ""]
@@ -450,7 +458,8 @@ def format_table(report: dict) -> str:
     lines += ["", "speed: median s/step, tokens/s, peak allocated GiB (1 warm-up, then the median of the timed steps)"]
     for r in report["speed"]:
         if r["ok"] and r["seconds_per_step"] is not None:
-            figures = f"{r['seconds_per_step']:8.3f} s  {r['tokens_per_second']:9.0f} tok/s  {_gib(r['peak_bytes'])} GiB"
+            figures = (f"{r['seconds_per_step']:8.3f} s  {r['tokens_per_second']:9.0f} tok/s  "
+                       f"{_gib(r['peak_bytes'])} GiB")
         elif r["ok"]:
             figures = "ran on the simulated card: no timing"
         else:
@@ -460,6 +469,7 @@ def format_table(report: dict) -> str:
     if tier:
         lines += ["", f"CUDA tier: {tier['passed']} passed, {tier['failed']} failed, {tier['skipped']} skipped, "
                       f"{tier['errors']} errors" + (f" ({tier['error']})" if tier.get("error") else "")]
+        lines += [f"  not collected: {line}" for line in tier.get("not_collected", [])]
         for failure in tier.get("failures", []):
             last = (failure["detail"].strip().splitlines() or [""])[-1]
             lines.append(f"  FAILED {failure['test']} ({failure['when']}): {last[:200]}")

@@ -72,8 +72,8 @@ def counting_blockwise_calls(paths):
 def build_simulated_model(spec: dict, layers: int, device: torch.device | None = None):
     """(model, patch handle or None) for the spec with `layers` decoder layers: on meta (to be made fake), or with
     `device` built there with initialised weights (a real step). 4-bit on a real CUDA device with bitsandbytes
-    installed uses its Linear4bit (models.quantise_with_bitsandbytes; spec["quantiser"] says "emulated" to keep
-    the simulation's layer there), else the simulation's emulated layer (bpt.gpusim.quant4)."""
+    installed uses its Linear4bit (models.quantise_with_bitsandbytes), else the simulation's emulated layer
+    (bpt.gpusim.quant4)."""
     from transformers import AutoConfig
 
     values = {**spec["model_config"], "num_hidden_layers": layers}
@@ -92,7 +92,7 @@ def build_simulated_model(spec: dict, layers: int, device: torch.device | None =
 
         apply_liger(model)
     checkpointing = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    bitsandbytes = bits == 4 and quantiser(spec, device) == "bitsandbytes"
+    bitsandbytes = bits == 4 and quantiser(device) == "bitsandbytes"
     if bits == 4:
         from bpt.gpusim.quant4 import quantise_linears
         from patches.kbit import prepare_kbit_model
@@ -129,12 +129,12 @@ def patch(model, spec: dict, compile: bool | None):
                                      "offload_checkpoints": spec["side"] == "patched+offload"})
 
 
-def quantiser(spec: dict, device: torch.device | None) -> str:
-    """Who stores a 4-bit spec's weights: "bitsandbytes" on a real CUDA device where it is installed, else
+def quantiser(device: torch.device | None) -> str:
+    """Who stores a 4-bit base: "bitsandbytes" on a real CUDA device where it is installed, else
     "emulated" (the simulation's layer: the same bytes, no values)."""
     import importlib.util
 
-    if spec.get("quantiser") == "emulated" or device is None or torch.device(device).type != "cuda":
+    if device is None or torch.device(device).type != "cuda":
         return "emulated"
     return "bitsandbytes" if importlib.util.find_spec("bitsandbytes") else "emulated"
 
@@ -184,7 +184,7 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10) -> dict:
             loss = model(**inputs).loss
         tracker.phase = "backward"
         loss.backward()
-        loss_value = float(loss) if real else None
+        loss_value = float(loss.detach()) if real else None
         del loss
     return {**tracker.summary(), "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
             "loss": loss_value, "attention_paths": dict(sim.attention_paths),
