@@ -211,3 +211,18 @@ def test_offload_side_moves_the_checkpoints_to_host(tmp_path, shim_library):
     assert resident["host_peak_bytes"] < 1024  # a few host scalars (RNG state)
     assert 0 <= offloaded["host_peak_bytes"] - (layers + 2) * one < 1024  # + the final norm's and loss's inputs
     assert offloaded["peak_bytes"] <= resident["peak_bytes"] - (layers - 4) * one
+
+
+def test_flops_of_grouped_sdpa_count_the_query_heads():
+    """torch < 2.13's flop formula refuses grouped key / value heads; the tracker hands it the query's head count,
+    which is what the kernel computes: the same FLOPs as with the key / value heads repeated."""
+    from torch.utils.flop_counter import flop_registry
+
+    from bpt.gpusim.tracker import _query_heads
+
+    formula = flop_registry[torch.ops.aten._scaled_dot_product_flash_attention]
+    q = torch.empty(1, 8, 64, 16, device="meta")
+    k = v = torch.empty(1, 2, 64, 16, device="meta")
+    repeated = torch.empty(1, 8, 64, 16, device="meta")
+    grouped = formula(*_query_heads([q, k, v]), out_val=None)
+    assert grouped == formula(q, repeated, repeated, out_val=None) == 4 * 8 * 64 * 64 * 16
