@@ -3,7 +3,7 @@
 The lent GPU machines (Python 3.12, torch 2.11 + CUDA 13, transformers 5.17, accelerate, peft, Triton; no network)
 have no bitsandbytes (the 4-bit row, the CUDA tier's QLoRA run), no Liger-Kernel (the peer's speed rows) and no
 datasets (train.qlora). This downloads them for that machine (pip download, no dependencies: the rest is there),
-into a folder to keep out of git (add it to .git/info/exclude), and prints their size beside the working tree's:
+into a folder kept out of git (.gitignore has .whl/), and prints their size beside the working tree's:
 what travels to the machine must stay under 64 MiB. On the machine, before the check:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
