@@ -25,19 +25,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import importlib.metadata
 import importlib.util
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bpt.bench.models import resolve_model_config
+from bpt.bench.models import PEER, resolve_model_config
+from bpt.bench.report import package_version
 from bpt.bench.simulate import longest_fitting
 from bpt.gpusim.gpus import DEVICES, GIB, RESERVE_BYTES
 from bpt.gpusim.gpus import device as simulated_device
@@ -48,7 +47,6 @@ MEMORY_LENGTHS = (8192, 32768)
 MEMORY_SIDES = ("stock", "patched", "patched+offload")
 FOUR_BIT_LENGTH = 8192
 LONG_LENGTHS = (65536, 131072)  # patched only: stock no longer fits there
-PEER = "liger"
 TIMED_STEPS = 3
 MAX_CONTEXT_SIDES = ("patched", "patched+offload")
 MAX_CONTEXT_START = 65536
@@ -99,12 +97,7 @@ def device_environment(spec: dict) -> dict:
     """Worker task "environment": the card and the versions, read in a process like the ones that will run."""
     import torch
 
-    versions = {}
-    for name in LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
+    versions = {name: package_version(name) for name in LIBRARIES}
     env = {"ok": True, "python": platform.python_version(), "versions": versions, "torch_cuda": torch.version.cuda,
            "cpu_count": os.cpu_count(), "hostname": platform.node()}
     if spec.get("real"):

@@ -19,7 +19,7 @@ import os
 import torch
 
 SIDES = ("stock", "patched", "patched+offload")  # the last: checkpoints in host memory (offload_checkpoints)
-PEER_SIDES = ("liger",)  # Liger-Kernel's patch on a stock model (real GPU only: Triton kernels), bpt.bench.gpu_check
+PEER = "liger"  # Liger-Kernel's patch on a stock model (real GPU only: Triton kernels), the GPU check's peer side
 
 # Model shapes (random weights from config are fine for memory and speed). max_position_embeddings is
 # set per sweep to cover its longest length.

@@ -3,7 +3,7 @@
 - `summarize`: per-length rows (stock vs patched), memory growth per side, the design goals next to what was measured
 - `format_report`: the table, growth and design-goal lines printed at the end of a sweep
 - `summarize_sp`, `format_sp_report`: the same for the sequence-parallel mode (per mode, size N and length)
-- `environment`: versions, device, model and flags, recorded with every result
+- `environment`, `package_version`: versions, device, model and flags, recorded with every result
 - `write_outputs`: the JSON with everything and a CSV next to it, one row per length
 """
 from __future__ import annotations
@@ -205,13 +205,15 @@ def format_sp_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def environment(args: argparse.Namespace, model_config: dict, runs: list[dict], probe: dict | None) -> dict:
-    def version(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
+def package_version(name: str) -> str | None:
+    """The installed version of a distribution, None when it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
+
+def environment(args: argparse.Namespace, model_config: dict, runs: list[dict], probe: dict | None) -> dict:
     if args.device == "cuda":
         device_name = torch.cuda.get_device_name()
     else:
@@ -225,7 +227,7 @@ def environment(args: argparse.Namespace, model_config: dict, runs: list[dict], 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(), "platform": platform.platform(),
-        "torch": torch.__version__, "transformers": version("transformers"), "peft": version("peft"),
+        "torch": torch.__version__, "transformers": package_version("transformers"), "peft": package_version("peft"),
         "device": args.device, "device_name": device_name, "cpu_count": os.cpu_count(), "threads": threads,
         "model": args.model, "model_config": model_config, "dtype": args.dtype, "batch_size": args.batch_size,
         "gradient_checkpointing": args.gradient_checkpointing, "lora": args.lora,

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from bpt.bench.models import model_from_config, quantise_with_bitsandbytes
+from bpt.bench.models import PEER, model_from_config, quantise_with_bitsandbytes
 from bpt.gpusim.gpus import device as simulated_device
 
 WEIGHT_DTYPES = {32: torch.float32, 16: torch.bfloat16}
@@ -87,7 +87,7 @@ def build_simulated_model(spec: dict, layers: int, device: torch.device | None =
         model = model_from_config(config, dtype)
     model.config.use_cache = False
     model.train()
-    if spec["side"] == "liger":
+    if spec["side"] == PEER:
         from bpt.bench.models import apply_liger
 
         apply_liger(model)

@@ -134,19 +134,25 @@ def run_worker(spec: dict, timeout: float | None = None) -> dict:
             proc = subprocess.run(command, env=worker_env(spec["malloc"]), capture_output=True, text=True,
                                   timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {timeout:g} s", **_partial(spec["result_path"])}
+            return _failed(f"timed out after {timeout:g} s", spec["result_path"])
         if os.path.exists(spec["result_path"]):
             with open(spec["result_path"]) as f:
                 return json.load(f)
-        return {"ok": False, "error": describe_exit(proc.returncode, proc.stderr), **_partial(spec["result_path"])}
+        return _failed(describe_exit(proc.returncode, proc.stderr), spec["result_path"])
 
 
-def _partial(result_path: str) -> dict:
+def read_partial(result_path: str) -> dict | None:
+    """What a worker wrote to result_path + ".partial" before it died or was stopped, if anything."""
     path = result_path + ".partial"
     if not os.path.exists(path):
-        return {}
+        return None
     with open(path) as f:
-        return {"partial": json.load(f)}
+        return json.load(f)
+
+
+def _failed(error: str, result_path: str) -> dict:
+    partial = read_partial(result_path)
+    return {"ok": False, "error": error, **({} if partial is None else {"partial": partial})}
 
 
 def _free_port() -> int:
@@ -195,9 +201,8 @@ def run_ranks(spec: dict, world: int, timeout: float | None = None) -> dict:
                 log.seek(0)
                 results.append({"ok": False, "error": describe_exit(procs[rank].returncode, log.read())})
             log.close()
-            if os.path.exists(path + ".partial"):
-                with open(path + ".partial") as f:
-                    partial.append(json.load(f))
+            if (finished := read_partial(path)) is not None:
+                partial.append(finished)
         if failed is None:
             return {"ok": True, "ranks": results}
         if failed == "timeout":
