@@ -1,0 +1,75 @@
+"""The README's figures from runs are the committed outputs', and those outputs are what this checkout prints
+(tests/readme_figures.py generates the README blocks from them)."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from cli_helpers import ENV, REPO
+
+from readme_figures import BLOCKS, DEFAULT_RUN, README, cpu_kind, plan_figures, readme_block
+
+FIRST_STEPS = 20  # the default run's steps re-run here: two of its logged rows
+
+
+def test_the_readme_figures_are_generated_from_the_committed_outputs():
+    text = README.read_text()
+    for name, block in BLOCKS.items():
+        assert readme_block(text, name) == block(), f"regenerate with python tests/readme_figures.py --write ({name})"
+
+
+def test_the_committed_default_run_is_what_this_checkout_prints(tmp_path):
+    """`python -m train.qlora` as the README gives it, stopped by SIGTERM after step FIRST_STEPS (a graceful stop: the
+    rows before it are the uninterrupted run's): its "before" evaluation and its first logged rows equal the committed
+    run of this CPU's kind (the same kernels give the same arithmetic, bit for bit here; a little slack for another
+    CPU model of the same kind)."""
+    kind = cpu_kind()
+    if kind is None:
+        pytest.skip(f"no committed default run for this CPU's kernels ({torch.backends.cpu.get_cpu_capability()} "
+                    "without AVX512-BF16): docs/default-run/ has avx512_bf16 and avx2")
+    out = tmp_path / "run"
+    log = open(tmp_path / "log", "w")
+    run = subprocess.Popen([sys.executable, "-m", "train.qlora", "--output_dir", str(out)], cwd=REPO, env=ENV,
+                           stdout=log, stderr=subprocess.STDOUT)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 900
+        while not (metrics.exists() and any(json.loads(line)["step"] >= FIRST_STEPS
+                                            for line in metrics.read_text().splitlines() if line.strip())):
+            assert run.poll() is None, (tmp_path / "log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the default run did not reach its first logged rows in 15 min"
+            time.sleep(0.5)
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(timeout=300) == 128 + signal.SIGTERM, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
+        log.close()
+    committed = DEFAULT_RUN / kind
+    assert json.loads((out / "eval.json").read_text())["before"] == \
+        json.loads((committed / "eval.json").read_text())["before"]
+    rows = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
+    expected = [r for r in map(json.loads, (committed / "metrics.jsonl").read_text().splitlines())
+                if r["step"] <= FIRST_STEPS]
+    assert len(expected) == 2
+    for row in expected:
+        got = rows[row["step"]]
+        assert got["tokens"] == row["tokens"] and got["lr"] == pytest.approx(row["lr"], rel=1e-12)
+        assert (got["loss"], got["grad_norm"]) == pytest.approx((row["loss"], row["grad_norm"]), rel=1e-4), \
+            f"step {row['step']} on {kind}: regenerate docs/default-run/{kind} (README 'The default run')"
+
+
+def test_the_committed_plan_is_what_this_checkout_prints():
+    """The simulated peak of `--config configs/llama-8b-64k.yaml --plan h100-80gb` (its verdict step, ~45 s here; the
+    longest-length search is the same simulation at other lengths) equals the committed output's."""
+    from train.args import parse_args
+    from train.plan import adapter_layout, analytic_extras, model_config, simulate, size, step_spec
+
+    args = parse_args(["--config", str(REPO / "configs" / "llama-8b-64k.yaml"), "--plan", "h100-80gb"])
+    config, _ = model_config(args.model_name_or_path, False)
+    row = simulate(step_spec(args, config, args.max_seq_len, adapter_layout(config, args)))
+    peak = row["peak_bytes"] + sum(b for _, b in analytic_extras(args, config, row["trainable_params"]))
+    assert size(peak) == plan_figures()["peak"], "rerun the plan into docs/plan/ (README '--plan GPU')"
