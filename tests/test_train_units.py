@@ -36,6 +36,7 @@ def test_step_groups_resume_mid_epoch_continues_the_same_sequence():
 
 
 def test_write_atomically_leaves_nothing_half_written(tmp_path):
+    tmp_path.chmod(0o755)  # an output directory as users make it (pytest's own are 0700)
     def broken(path):
         open(os.path.join(path, "a"), "w").close()
         raise RuntimeError("disk full")
@@ -49,6 +50,8 @@ def test_write_atomically_leaves_nothing_half_written(tmp_path):
                                     lambda path, c=content: open(os.path.join(path, c), "w").close())
     assert os.listdir(tmp_path) == ["checkpoint-1"]
     assert os.listdir(tmp_path / "checkpoint-1") == ["new"]
+    # readable as the output directory is, not mkdtemp's owner-only 0700
+    assert os.stat(tmp_path / "checkpoint-1").st_mode & 0o777 == 0o755
 
 
 def test_latest_checkpoint_is_the_highest_step(tmp_path):

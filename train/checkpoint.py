@@ -6,14 +6,17 @@ A checkpoint holds everything the resumed run needs to repeat the uninterrupted 
     optimizer.pt                                       the optimizer's full state dict (torch.distributed.checkpoint)
     scheduler.pt                                       the scheduler's state_dict
     rng_state.pt                                       python / numpy / torch (and CUDA) RNG, one per rank
-    trainer_state.json                                 step, data position (epoch, batch), the schedule's length, args
+    trainer_state.json                                 step, data position (epoch, batch), the schedule's length, args,
+                                                       the metrics window not logged yet (train.loop.MetricsLog)
 
 It is written into a hidden temp directory inside output_dir and renamed into place, so a crash
-never leaves a half-written checkpoint-N behind. A run writes one every --save_steps steps, on a stop signal and
-after its last step (so a finished run can be extended with a larger --max_steps).
+never leaves a half-written checkpoint-N behind, and a failed write (a full disk) removes what it wrote and raises
+SaveFailed. A run writes one every --save_steps steps, every --save_minutes, on a stop signal and after its last step
+(so a finished run can be extended with a larger --max_steps).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -23,6 +26,8 @@ import tempfile
 
 import numpy as np
 import torch
+
+from safetensors import SafetensorError
 
 from train.errors import UserError, one_line
 
@@ -36,6 +41,30 @@ DATA_ORDER_ARGS = ("seed", "per_device_train_batch_size", "dataset", "max_seq_le
                    "tensor_parallel")
 # Args that shape the learning-rate schedule besides its length.
 SCHEDULE_ARGS = ("lr_scheduler_type", "warmup_steps", "learning_rate")
+
+
+class SaveFailed(Exception):
+    """Writing part of a run's output failed (a full disk, say); what was written of it has been removed, and the
+    checkpoints written before are intact. last_checkpoint: the newest of those, when the writer knows it."""
+
+    report = None  # which process prints it: the main one (train.lifecycle.leave)
+
+    def __init__(self, what: str, reason: str, last_checkpoint: str | None = None):
+        super().__init__(f"could not write {what}: {reason} (nothing of it was kept)")
+        self.last_checkpoint = last_checkpoint
+
+
+# What a failed file write raises: OSError from Python, RuntimeError from torch.save's writer, SafetensorError
+# from safetensors (its message holds the OS error: '... No space left on device (os error 28)').
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+def write_failure(error: BaseException) -> str:
+    """The reason a write failed, in the OS's words where there are some ('No space left on device')."""
+    if isinstance(error, OSError) and error.errno:
+        return os.strerror(error.errno)
+    found = re.search(r"Os \{ code: (\d+)|os error (\d+)", str(error))
+    return os.strerror(int(found.group(1) or found.group(2))) if found else one_line(error)
 
 
 def list_checkpoints(output_dir: str) -> list[str]:
@@ -127,6 +156,7 @@ def write_atomically(output_dir: str, name: str, write) -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    os.chmod(tmp, os.stat(output_dir).st_mode & 0o777)  # mkdtemp's 0700 -> the output directory's own mode
     final = os.path.join(output_dir, name)
     if os.path.exists(final):  # left by an earlier attempt that ran past this step: replace it
         stale = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}stale-", dir=output_dir)
@@ -190,18 +220,24 @@ def _gather_tensor_parallel_state(model, state: dict) -> dict:
 
 
 def save(output_dir: str, step: int, *, model, weights: dict, optimizer_state: dict, scheduler, rng_states: list,
-         position: tuple[int, int], args_dict: dict, world_size: int, total_steps: int) -> str:
+         position: tuple[int, int], args_dict: dict, world_size: int, total_steps: int,
+         metrics_window: dict | None = None) -> str:
     """Write checkpoint-<step> (called on the main process only, with what gathered_states returned there;
-    rng_states holds every rank's)."""
+    rng_states holds every rank's; metrics_window: what the metrics log summed since its last row)."""
 
     def write(path: str) -> None:
         model.save_pretrained(path, state_dict=weights)
-        torch.save(optimizer_state, os.path.join(path, "optimizer.pt"))
-        torch.save(scheduler.state_dict(), os.path.join(path, "scheduler.pt"))
-        torch.save(rng_states, os.path.join(path, "rng_state.pt"))
+        try:
+            torch.save(optimizer_state, os.path.join(path, "optimizer.pt"))
+            torch.save(scheduler.state_dict(), os.path.join(path, "scheduler.pt"))
+            torch.save(rng_states, os.path.join(path, "rng_state.pt"))
+        except RuntimeError as error:  # torch's writer hides a full disk ('unexpected pos 704 vs 598')
+            if shutil.disk_usage(path).free < 2**20:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from error
+            raise
         epoch, batch = position
         state = {"step": step, "epoch": epoch, "batch": batch, "total_steps": total_steps, "world_size": world_size,
-                 "args": args_dict}
+                 "args": args_dict, "metrics_window": metrics_window}
         with open(os.path.join(path, STATE_FILE), "w") as f:
             json.dump(state, f, indent=2)
 

@@ -1,5 +1,6 @@
 """The training loop of train.qlora: the data order (reproducible across resumes and ranks), the optimizer step,
-metrics.jsonl, checkpoints every --save_steps, and a graceful stop on SIGINT / SIGTERM.
+metrics.jsonl, checkpoints every --save_steps and --save_minutes, a graceful stop on SIGINT / SIGTERM, and a clean
+stop (one line) when a save fails or another process of the run dies.
 
 Tests reach into the loop by patching its functions (`accumulate`, `MetricsLog.add`, `save_checkpoint`): there are
 no test hooks in here.
@@ -20,6 +21,7 @@ from train import checkpoint, deepspeed
 from train.args import Args
 from train.fsdp import full_norm
 from train.lifecycle import SIGNALS, Interrupted
+from train.peers import peer_lost, roster
 from train.parallel import Layout
 from train.run_dir import METRICS_FILE
 
@@ -199,14 +201,23 @@ def train_step(model, group: list[dict], optimizer, scheduler, accelerator, args
 # ---------------------------------------------------------------- metrics, checkpoints, the loop
 
 class MetricsLog:
-    """metrics.jsonl (+ trackers) on the main process; window averages between logged steps."""
+    """metrics.jsonl (+ trackers) on the main process; window averages between logged steps.
 
-    def __init__(self, args: Args, accelerator, start_step: int):
+    The window (the losses, tokens and seconds since the last row) goes into every checkpoint (`state`) and comes
+    back on resume, so a resumed run logs the uninterrupted run's rows: the same steps and values (tokens_per_s and
+    peak_mem_mb measure this process's wall time and memory, so they differ)."""
+
+    def __init__(self, args: Args, accelerator, start_step: int, window: dict | None = None):
         self.path = os.path.join(args.output_dir, METRICS_FILE)
         self.accelerator, self.every = accelerator, args.logging_steps
-        self.losses, self.tokens, self.seconds = [], 0, 0.0
+        window = window or {"losses": [], "tokens": 0, "seconds": 0.0}
+        self.losses, self.tokens, self.seconds = list(window["losses"]), window["tokens"], window["seconds"]
+        self.failed: str | None = None  # why the main process could not write its last row
         if accelerator.is_main_process:
             _truncate_metrics(self.path, start_step)
+
+    def state(self) -> dict:
+        return {"losses": self.losses, "tokens": self.tokens, "seconds": self.seconds}
 
     def add(self, step: int, loss: float, tokens: int, seconds: float, lr: float, grad_norm, last: bool) -> dict:
         self.losses.append(loss)
@@ -217,8 +228,14 @@ class MetricsLog:
         if step % self.every == 0 or last:
             record = {"step": step, **window, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens}
             if self.accelerator.is_main_process:
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+                try:
+                    with open(self.path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                except OSError as error:  # a full disk: no torn row left, and the loop stops every rank
+                    self.failed = checkpoint.write_failure(error)
+                    with contextlib.suppress(OSError):
+                        os.truncate(self.path, size)
             # Trackers get HF Trainer's names: train/loss, train/lr, ... (grouped under "train").
             self.accelerator.log({f"train/{k}": v for k, v in record.items() if k != "step" and v is not None},
                                  step=step)
@@ -227,43 +244,75 @@ class MetricsLog:
 
 
 def _truncate_metrics(path: str, keep_through_step: int) -> None:
-    """Drop lines of steps after the resume point (an interrupted run may have logged past its checkpoint)."""
+    """Drop lines of steps after the resume point (an interrupted run may have logged past its checkpoint) and a
+    row torn by a crash; the file is replaced whole, so a failure here leaves it as it was."""
     if not os.path.exists(path):
         return
+    kept = []
     with open(path) as f:
-        lines = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_through_step]
-    with open(path, "w") as f:
-        f.writelines(lines)
+        for line in f:
+            with contextlib.suppress(ValueError):
+                if json.loads(line)["step"] <= keep_through_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # after a failed write (after os.replace there is none)
 
 
-def save_checkpoint(accelerator, model, optimizer, scheduler, args: Args, step: int, position,
-                    steps: int) -> str | None:
+def save_on_main(accelerator, what: str, write, last_checkpoint: str | None):
+    """write() on the main process, the others waiting; its result. When it fails (a full disk) every rank raises
+    checkpoint.SaveFailed, so none is left waiting at a collective for the others."""
+    result, failure = None, None
+    if accelerator.is_main_process:
+        try:
+            result = write()
+        except checkpoint.WRITE_ERRORS as error:
+            failure = checkpoint.write_failure(error)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        failure = broadcast_object_list([failure])[0]
+    if failure is not None:
+        raise checkpoint.SaveFailed(what, failure, last_checkpoint)
+    return result
+
+
+def save_checkpoint(accelerator, model, optimizer, scheduler, args: Args, step: int, position, steps: int,
+                    metrics_window: dict | None = None, last_checkpoint: str | None = None) -> str | None:
+    """Write checkpoint-<step> (every rank calls it); a failed write removes it and raises SaveFailed naming
+    last_checkpoint, the one before."""
     from accelerate.utils import gather_object
 
     rng_states = gather_object([checkpoint.rng_state()])  # every rank's, so each resumes its own dropout stream
     model = accelerator.unwrap_model(model)
     weights, optimizer_state = checkpoint.gathered_states(model, optimizer, accelerator.is_main_process)
-    path = None
-    if accelerator.is_main_process:
-        path = checkpoint.save(args.output_dir, step, model=model, weights=weights, optimizer_state=optimizer_state,
-                               scheduler=scheduler, rng_states=rng_states, position=position,
-                               args_dict=args.to_dict(), world_size=accelerator.num_processes, total_steps=steps)
-    accelerator.wait_for_everyone()
-    return path
+    return save_on_main(accelerator, f"{checkpoint.PREFIX}{step}", lambda: checkpoint.save(
+        args.output_dir, step, model=model, weights=weights, optimizer_state=optimizer_state, scheduler=scheduler,
+        rng_states=rng_states, position=position, args_dict=args.to_dict(), world_size=accelerator.num_processes,
+        total_steps=steps, metrics_window=metrics_window), last_checkpoint)
 
 
-def stop_requested(accelerator) -> int | None:
-    """The signal that asked this run to stop, agreed by every rank (any rank's request stops all of them,
-    at the same step, so their collectives stay in step)."""
-    requested = SIGNALS.requested or 0
-    if accelerator.num_processes > 1:
-        requested = int(accelerator.gather(torch.tensor([requested], device=accelerator.device)).max())
-    return requested or None
+def agree(accelerator, *votes: int) -> list[int]:
+    """Each vote's largest value over every rank, in one gather per step: the decisions every rank must take at the
+    same step, so their collectives stay in step (a stop signal any rank got, a checkpoint any rank's clock says is
+    due, a row the main process could not write)."""
+    if accelerator.num_processes == 1:
+        return list(votes)
+    gathered = accelerator.gather(torch.tensor(votes, device=accelerator.device))
+    return gathered.view(-1, len(votes)).amax(0).tolist()
 
+
+# ---------------------------------------------------------------- the loop
 
 def train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args: Args, *, layout: Layout,
                start_step: int, position: tuple[int, int], steps: int, last_checkpoint: str | None) -> list[float]:
-    """Optimizer steps start_step+1 .. steps. On SIGINT/SIGTERM: finish the step, save, raise Interrupted."""
+    """Optimizer steps start_step+1 .. steps. On SIGINT/SIGTERM: finish the step, save, raise Interrupted.
+    A failed save raises checkpoint.SaveFailed, a dead process PeerLost (on every rank still running)."""
     with SIGNALS.mode(graceful=True):
         return _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, args, layout=layout,
                            start_step=start_step, position=position, steps=steps, last_checkpoint=last_checkpoint)
@@ -277,12 +326,14 @@ def _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, ar
 
     groups = step_groups(dataset, Collator(tokenizer.pad_token_id), args, rank=layout.data_rank,
                          world_size=layout.data_world, epoch=position[0], batch=position[1])
-    metrics = MetricsLog(args, accelerator, start_step)
+    resumed = checkpoint.read_state(last_checkpoint) if start_step and last_checkpoint else {}
+    metrics = MetricsLog(args, accelerator, start_step, resumed.get("metrics_window"))
+    peers = roster(accelerator)
     bar = tqdm(total=steps, initial=start_step, desc="train", dynamic_ncols=True,
                disable=not accelerator.is_local_main_process)
     losses = []
     model.train()
-    step = start_step
+    step, saved_at = start_step, time.monotonic()
     try:
         for step in range(start_step + 1, steps + 1):
             group, position = next(groups)
@@ -298,16 +349,22 @@ def _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, ar
                                        "Lower --learning_rate or check the data, then resume with "
                                        "--resume_from_checkpoint latest") from None
             losses.append(loss)
-            stopping = stop_requested(accelerator)  # a signal arrived: this step was the last
+            # A row only where the uninterrupted run writes one: a stop keeps the window in its checkpoint.
             window = metrics.add(step, loss, tokens, time.perf_counter() - started, lr, grad_norm,
-                                 last=step == steps or stopping is not None)
+                                 last=step == steps)
             bar.update(1)
             bar.set_postfix(loss=f"{window['loss']:.4f}", tok_s=f"{window['tokens_per_s']:.0f}",
                             mem=f"{window['peak_mem_mb']:.0f}MB")
+            due = args.save_minutes > 0 and time.monotonic() - saved_at >= 60 * args.save_minutes
+            stopping, due, unwritten = agree(accelerator, SIGNALS.requested or 0, int(due), int(bool(metrics.failed)))
+            if unwritten:
+                raise checkpoint.SaveFailed(metrics.path, metrics.failed or "failed on the main process",
+                                            last_checkpoint)
             # The last step too: a finished run's final state is a checkpoint, so the run can be extended.
-            if (args.save_steps and step % args.save_steps == 0) or stopping or step == steps:
+            if (args.save_steps and step % args.save_steps == 0) or due or stopping or step == steps:
                 last_checkpoint = save_checkpoint(accelerator, model, optimizer, scheduler, args, step, position,
-                                                  steps)
+                                                  steps, metrics.state(), last_checkpoint)
+                saved_at = time.monotonic()
             if stopping:
                 for tracker in accelerator.trackers:  # end the tracker runs cleanly (wandb: run finished)
                     tracker.finish()
@@ -316,8 +373,12 @@ def _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, ar
         if stop.step is None:  # a repeated signal aborted mid-step (an atomic checkpoint write leaves nothing)
             stop.step, stop.steps, stop.last_checkpoint = step, steps, last_checkpoint
         raise
+    except RuntimeError as error:  # a collective failed: did a process of the run die?
+        lost = None if isinstance(error, TrainingDiverged) else \
+            peer_lost(error, peers, accelerator, step, steps, last_checkpoint)
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         bar.close()
     return losses
-
-

@@ -44,6 +44,20 @@ def write_json(path: str, data: dict) -> None:
         raise
 
 
+def write_adapter(output_dir: str, model, weights: dict, tokenizer) -> None:
+    """The final adapter and tokenizer into output_dir, all or nothing: written into a hidden directory there, then
+    each file moved in, so a write that fails (a full disk) leaves none of its files, and those of an earlier run in
+    place. The directory is removed either way (after a crash: by checkpoint.remove_leftovers)."""
+    tmp = tempfile.mkdtemp(prefix=f"{checkpoint.TMP_PREFIX}adapter-", dir=output_dir)
+    try:
+        model.save_pretrained(tmp, state_dict=weights)
+        tokenizer.save_pretrained(tmp)
+        for name in os.listdir(tmp):
+            os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def read_json(path: str) -> dict | None:
     """The JSON object in `path`; None when there is no such file; UserError when it cannot be read."""
     if not os.path.isfile(path):
