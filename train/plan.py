@@ -141,15 +141,18 @@ def adapter_layout(config, args) -> tuple[list | None, list | None]:
     return targets, lora.modules_to_save
 
 
-def step_spec(args, config, seq_len: int, adapters: tuple) -> dict:
-    """The worker spec of one step of this run with --max_seq_len `seq_len` (a rank's share of it)."""
+def step_spec(args, config, seq_len: int, adapters: tuple, device: str | None = None,
+              rope_len: int | None = None) -> dict:
+    """The worker spec of one step of this run with --max_seq_len `seq_len` (a rank's share of it), on the simulated
+    `device` (default --plan's; train.memory_check simulates the machine the run is on). RoPE is scaled for
+    `rope_len` tokens (default `seq_len`): an evaluation at other lengths keeps the trained run's scaling."""
     from bpt.config import BPTConfig
 
     from train.args import BPT_SIZES
 
     blocks = {name: getattr(args, name) for name in BPT_SIZES
               if getattr(args, name) is not None}
-    values = scaled(config, args, seq_len).to_dict()
+    values = scaled(config, args, rope_len or seq_len).to_dict()
     values.pop("quantization_config", None)  # --bits decides the quantisation, as in the run
     values["use_cache"] = False
     depth, layers = values["num_hidden_layers"], SHALLOW_LAYERS
@@ -162,7 +165,7 @@ def step_spec(args, config, seq_len: int, adapters: tuple) -> dict:
         else:
             layers = depth  # a per-layer pattern of its own: every layer simulated
     return {
-        "task": "simulate", "simulate": args.plan, "side": ("patched+offload" if args.offload_checkpoints else "patched") if args.bpt else "stock",
+        "task": "simulate", "simulate": device or args.plan, "side": ("patched+offload" if args.offload_checkpoints else "patched") if args.bpt else "stock",
         "seq_len": -(-seq_len // args.sequence_parallel), "model_config": values, "bits": args.bits,
         "lora": True, "lora_r": args.lora_r, "lora_targets": adapters[0], "lora_dropout": args.lora_dropout,
         "modules_to_save": adapters[1], "batch_size": args.per_device_train_batch_size,
