@@ -10,6 +10,10 @@ from bpt.config import BPTConfig
 from bpt.loss import chunked_lm_loss
 from patches.families import Family
 
+# The KV cache's field in model outputs: `cache` since transformers renamed it (reading or passing the old
+# `past_key_values` then logs a deprecation warning), `past_key_values` before.
+_CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 def causal_lm_forward(model, original, family: Family, options: BPTConfig):
     """Replacement for `model.forward`. Without labels it is the stock forward (logits as usual);
@@ -54,7 +58,7 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
         output = CausalLMOutputWithPast(
             loss=loss,
             logits=None,
-            past_key_values=getattr(outputs, "past_key_values", None),
+            **{_CACHE: getattr(outputs, _CACHE, None)},
             hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
         )
@@ -86,7 +90,7 @@ def _check_positions(model, family: Family, arguments: dict):
         tokens = arguments.get("inputs_embeds")
     if tokens is None:
         return
-    cache = arguments.get("past_key_values")
+    cache = arguments.get("cache", arguments.get("past_key_values"))  # the argument's name since / before the rename
     length = tokens.shape[1] + (cache.get_seq_length() if cache is not None else 0)
     if length > limit:
         raise ValueError(f"{length} tokens exceed this model's {limit} learned positions "

@@ -110,6 +110,32 @@ def test_broken_jsonl_in_a_directory_names_the_file(tmp_path):
         load_text_dataset(str(tmp_path))
 
 
+# A line saved as Latin-1 (é is the byte 0xe9) with two junk bytes: not UTF-8. pyarrow's json reader loads it and
+# tokenizing failed later with a traceback; the text and csv readers failed without naming the line.
+NOT_UTF8 = b"caf\xe9 \xff\xfe"
+
+
+@pytest.mark.parametrize("name,content,line,column", [
+    ("data.jsonl", b'{"text": "fine"}\n{"text": "' + NOT_UTF8 + b'"}\n{"text": "after"}\n', 2, 14),
+    ("data.json", b'[{"text": "fine"},\n {"text": "' + NOT_UTF8 + b'"}]\n', 2, 15),
+    ("book.txt", b"a first line\n\n" + NOT_UTF8 + b"\n", 3, 4),
+    ("data.csv", b"text\nfine\n" + NOT_UTF8 + b"\n", 3, 4),
+])
+def test_text_that_is_not_utf8_names_the_file_and_line(tmp_path, name, content, line, column):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(UserError) as raised:
+        load_text_dataset(str(tmp_path / name))
+    assert str(raised.value) == (f"could not read {tmp_path / name}: line {line} is not UTF-8 text (byte 0xe9 at "
+                                 f"column {column}; save the file as UTF-8); fix or remove that line")
+
+
+def test_text_that_is_not_utf8_in_a_directory_names_the_file(tmp_path):
+    _write(tmp_path / "a.jsonl", "jsonl", DOCS)
+    (tmp_path / "b.jsonl").write_bytes('{"text": "naïve"}\n'.encode() + b'{"id": 1, "text": "' + NOT_UTF8 + b'"}\n')
+    with pytest.raises(UserError, match=r"b\.jsonl: line 2 is not UTF-8 text \(byte 0xe9 at column 23;"):
+        load_text_dataset(str(tmp_path))
+
+
 def test_hub_names_go_to_load_dataset(monkeypatch):
     calls = []
 

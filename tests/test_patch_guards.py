@@ -80,3 +80,15 @@ def test_hybrid_rows_skip_only_layers_without_attention(monkeypatch):
     with pytest.raises(UnsupportedModelError, match="nothing to patch"):
         apply_bpt_patch(model, **SMALL_BLOCKS)
     assert not patches.is_patched(model) and not hasattr(attention.self_attn, patches.attention.CONFIG_ATTR)
+
+
+def test_learned_positions_count_the_cache_when_generating():
+    """GPT-2's position table ends at n_positions: a generation running past it through the KV cache is one
+    ValueError naming the limit (the cache's tokens counted, under whichever name transformers passes it), not an
+    IndexError from the embedding."""
+    model = tiny_model("gpt2", n_positions=16).eval()
+    apply_bpt_patch(model, **SMALL_BLOCKS)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 12))
+    with pytest.raises(ValueError, match="17 tokens exceed this model's 16 learned positions"):
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                       pad_token_id=0)

@@ -86,22 +86,39 @@ def load_text_dataset(source: str, *, split: str = "train") -> datasets.Dataset:
     builder, files = local
     try:
         # Local files always land in the builder's "train" split, whatever `split` asks for.
-        # the json builder's own "Failed to load JSON from file ..." line: the UserError names the file and line
-        with quieted("datasets.packaged_modules.json.json", logging.CRITICAL):
+        # the json and csv builders' own "Failed to load JSON from file ..." line: the UserError names the file and line
+        with quieted(f"datasets.packaged_modules.{builder}.{builder}", logging.CRITICAL):
             ds = datasets.load_dataset(builder, data_files=files, split="train", **_BUILDER_KWARGS.get(builder, {}))
     except Exception as e:  # datasets raises many types for unreadable files
-        where = _locate_json_error(files) if builder == "json" else None
+        where = (_locate_json_error(files) if builder == "json" else
+                 _locate_non_utf8(files) if builder in ("text", "csv") else None)  # (parquet is binary)
         if where:
             raise UserError(f"{where}; fix or remove that line") from None
         raise UserError(f"could not read {source} as {builder} ({type(e).__name__}: {one_line(e)}); "
                         "check that the file is valid") from None
+    if builder == "json":
+        _check_utf8(ds, files, source)
     return _non_empty(ds, source)
+
+
+def _check_utf8(ds: datasets.Dataset, files: list[str], source: str) -> None:
+    """UserError naming the file and line when the loaded text is not UTF-8. pyarrow's json reader keeps such bytes
+    (the text and csv builders fail on them while loading), and they would only fail later, in the middle of
+    tokenizing, as a traceback. One pass over the table in Arrow (~1 GB/s)."""
+    try:
+        ds.data.table.validate(full=True)
+    except pa.ArrowInvalid:
+        where = _locate_non_utf8(files)
+        raise UserError(f"{where}; fix or remove that line" if where else
+                        f"dataset {source} holds text that is not UTF-8; save its files as UTF-8") from None
 
 
 def _locate_json_error(files: list[str]) -> str | None:
     """'could not read FILE: line N ...' for the first malformed record of a json/jsonl file, or None when the
     files parse (then the failure lies elsewhere, e.g. columns whose types differ between records).
     Only runs after `datasets` failed, so valid data is never parsed twice."""
+    if where := _locate_non_utf8(files):
+        return where  # (read below with errors="replace", such bytes would pass as valid JSON)
     for path in files:
         if path.lower().endswith(".json"):
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -130,6 +147,22 @@ def _first_bad_json_line(path: str) -> str | None:
             if not isinstance(record, dict):
                 return (f"could not read {path}: line {number} is not a JSON object (got {type(record).__name__}; "
                         'each line must be one {"column": value, ...} record)')
+    return None
+
+
+def _locate_non_utf8(files: list[str]) -> str | None:
+    """'could not read FILE: line N is not UTF-8 text (...)' for the first line of the files that is not UTF-8 (a file
+    saved as Latin-1 or cp1252, binary junk), or None. Lines as an editor numbers them (a csv record may span several);
+    the column counts characters."""
+    for path in files:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    column = len(line[:e.start].decode("utf-8")) + 1
+                    return (f"could not read {path}: line {number} is not UTF-8 text (byte 0x{line[e.start]:02x} at "
+                            f"column {column}; save the file as UTF-8)")
     return None
 
 

@@ -26,8 +26,11 @@ What ZeRO-3 asks of the rest of the run:
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -167,8 +170,27 @@ def initialize(model, optimizer, args, zero3: Zero3, world: int):
 
         for module in recomputing_modules(model):
             set_z3_leaf_module(module, True)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args, zero3, world))
+    silence_deprecated_collectives()  # (partitioning the model is the first gather)
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args, zero3, world))
+    # On CPU every rank prints "DeepSpeed ...shm_comm_op built successfully" (also when loaded from the cache): the rest
+    # of what it printed goes on.
+    sys.stdout.write("".join(line for line in said.getvalue().splitlines(keepends=True)
+                             if not (line.startswith("DeepSpeed ") and line.rstrip().endswith(" built successfully"))))
     return engine
+
+
+# torch.distributed collectives that DeepSpeed's ZeRO-3 calls and newer torch deprecates: a FutureWarning (two lines)
+# per rank whenever a warnings filter changed since the last, ~30 lines a short run. DeepSpeed's to change, not the
+# user's; none of our code calls them.
+DEPRECATED_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def silence_deprecated_collectives() -> None:
+    """Ignore exactly those deprecation warnings (the message names the function), nothing else."""
+    for name in DEPRECATED_COLLECTIVES:
+        warnings.filterwarnings("ignore", message=rf"`torch\.distributed\.{name}` is deprecated",
+                                category=FutureWarning)
 
 
 def recomputing_modules(model) -> list:

@@ -114,8 +114,10 @@ SIGNALS = _Signals()
 
 # Library log lines that are not the user's problem: (logger, message prefix). bitsandbytes looks for an
 # optional faster CPU kernel on CPUs with AVX512-BF16 and logs a "failure" when it is not installed; the
-# fallback it then uses is the normal path.
-LIBRARY_NOISE = (("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),)
+# fallback it then uses is the normal path. DeepSpeed, imported whenever it is installed (accelerate's unwrap_model
+# checks for its engine), warns on a machine without a GPU that it found none, to stdout, once per process.
+LIBRARY_NOISE = (("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+                 ("DeepSpeed", "Setting accelerator to CPU"))
 
 
 class _NoiseFilter(logging.Filter):
@@ -176,13 +178,20 @@ def interrupted_message(stop: Interrupted, args: Args | None, argv: list[str]) -
     """One line: what the signal stopped, what is on disk, and how to go on."""
     if stop.saved:
         return f"{stop}; resume with: {resume_command(argv)}"
-    last = stop.last_checkpoint
-    if last is None and args is not None:  # outside the loop: whatever an earlier part of the run saved
+    return stopped_message(str(stop), stop.last_checkpoint, args, argv)
+
+
+def stopped_message(what: str, last_checkpoint: str | None, args: Args | None, argv: list[str]) -> str:
+    """One line for a run that stopped without saving (a second signal, a failed save, a dead process): what
+    happened, the newest checkpoint (`last_checkpoint`, or else the newest in output_dir) and the command that
+    resumes from it."""
+    last = last_checkpoint
+    if last is None and args is not None:  # whatever an earlier part of the run saved
         found = checkpoint.list_checkpoints(args.output_dir)
         last = found[-1] if found else None
     where = (f"the last checkpoint is {last}; resume with: {resume_command(argv)}" if last
              else "no checkpoint was written")
-    return f"error: {stop}; {where}"
+    return f"error: {what}; {where}"
 
 
 def _tell_launcher(message: str) -> None:
@@ -194,13 +203,81 @@ def _tell_launcher(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
-def leave(message: str, code: int) -> int:
-    """Print one line (main process only), tear down the process group, return the exit status."""
+PEER_WAIT_S = 5.0  # the longest a launcher's worker on its way out waits for the others of its machine
+
+
+def _error_file(local_rank: int) -> str | None:
+    """The TORCHELASTIC_ERROR_FILE torchrun gave the worker `local_rank` of this machine, None when this process has
+    none or its path is not torchrun's <log_dir>/<run_id>/attempt_<n>/<local_rank>/error.json."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.basename(os.path.dirname(path)) != os.environ.get("LOCAL_RANK"):
+        return None
+    return os.path.join(os.path.dirname(os.path.dirname(path)), str(local_rank), os.path.basename(path))
+
+
+def _machine_peers() -> list[int]:
+    """pids of the other workers on this machine: the launcher's other children running our command line (Linux's
+    /proc; [] where it cannot be read)."""
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            ours = f.read()
+        tasks = f"/proc/{os.getppid()}/task"
+        children = set()
+        for task in os.listdir(tasks):
+            with open(f"{tasks}/{task}/children") as f:
+                children.update(map(int, f.read().split()))
+    except OSError:
+        return []
+    peers = []
+    for pid in children - {os.getpid()}:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if f.read() == ours:
+                peers.append(pid)
+    return peers
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # exited but not yet reaped: a zombie
+    except OSError:
+        return False
+
+
+def _wait_until(done, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _launcher_status(code: int) -> int:
+    """The exit status of a torchrun worker leaving with `code`. torchrun's failure report shows a block of seven
+    lines for every worker that exits non-zero, and logs a line for each it has to SIGTERM: so the node's first worker
+    (LOCAL_RANK 0) alone exits with `code`, once the others have gone; they exit 0 once its error file shows it is
+    leaving too. A worker whose first is not leaving (an error of its own) keeps `code` after PEER_WAIT_S, so torchrun
+    still stops the launch."""
+    first = _error_file(0)
+    if code == 0 or first is None:
+        return code
+    peers = _machine_peers()
+    if os.environ["LOCAL_RANK"] != "0":  # (no peer left running: the first died without a word)
+        _wait_until(lambda: os.path.exists(first) or not any(_running(pid) for pid in peers), PEER_WAIT_S)
+        return 0 if os.path.exists(first) else code
+    _wait_until(lambda: not any(_running(pid) for pid in peers), PEER_WAIT_S)
+    return code
+
+
+def leave(message: str, code: int, *, here: bool | None = None) -> int:
+    """Print one line (main process only, or where `here` says), tear down the process group, return the exit
+    status (under torchrun 0 for all but each machine's first worker: _launcher_status)."""
     if launched_world_size() > 1:
         SIGNALS.ignore_until_exit()
-    if is_main_process():
+    if is_main_process() if here is None else here:
         print(message, file=sys.stderr, flush=True)
     _tell_launcher(message)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    return code
+    return _launcher_status(code)
