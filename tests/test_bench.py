@@ -247,3 +247,33 @@ def test_bpt_imports_without_transformers():
     code = ("import sys; sys.modules['transformers'] = None; sys.modules['peft'] = None\n"
             "import bpt, bpt.bench, bpt.config")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_without_output_the_results_go_to_bench_results_here_and_it_says_so(tmp_path, monkeypatch, capsys):
+    def runner(spec):
+        if spec["task"] == "probe":
+            return {"ok": True, "expected_mib": 1024.0, "measured_mib": 1024.0}
+        return {"ok": True, "step_mib": 1.0, "median_s": 1.0, "tokens_per_s": 1.0, "loss": 1.0, "threads": 1}
+
+    monkeypatch.chdir(tmp_path)
+    main(["--model", "tiny", "--seq_lens", "128", "--sides", "stock"], runner=runner)
+    [written] = (tmp_path / "bench_results").glob("tiny-*.json")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"results will be written to {written} (without --output: bench_results/ in the current "
+                        "directory)")
+    assert lines[-1] == f"wrote {written} and {written.with_suffix('.csv').name} beside it"
+    help_text = _help_of_each_flag(build_parser())["--output"]
+    assert "bench_results/<model>-<time>.json in the current directory" in help_text
+
+
+def test_plot_draws_beside_the_report_without_output(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from pathlib import Path
+
+    from bpt.bench.plot import main as plot_main
+
+    report = tmp_path / "sim.json"
+    report.write_text((Path(__file__).parent.parent / "docs/bench/llama-3.1-8b-qlora-h100.json").read_text())
+    plot_main([str(report)])
+    assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'sim.png'}"

@@ -185,7 +185,9 @@ def test_bad_input_is_one_error_line_before_loading_weights(trained, tmp_path, c
     monkeypatch.undo()
 
     # A base the adapter was not trained on: shapes differ (hidden 128 vs 64), one line, not a traceback.
-    assert main(["--adapter", str(run_dir), "--model_name_or_path", str(TINY_LLAMA_DIR), "--lengths", "120"]) == 2
+    # (--output_json elsewhere: the run's eval_results.json, of its own base, would be refused first.)
+    assert main(["--adapter", str(run_dir), "--model_name_or_path", str(TINY_LLAMA_DIR), "--lengths", "120",
+                 "--output_json", str(tmp_path / "other_base.json")]) == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "does not fit" in errors[0] and "Traceback" not in err

@@ -79,6 +79,7 @@ def test_two_processes_split_every_layer_and_match_one_process(tiny, wide, tmp_p
     done = _launch(_argv(tiny, wide, two, "--bits", bits, *extra, "--tensor_parallel", 2), 2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "on 2 process(es); layers split 2 ways (tensor parallel)" in done.stderr
+    assert "trainable parameters per process: " in done.stderr  # a rank's count is its slice's: said so
     assert [m["step"] for m in metrics(two)] == [1, 2]  # one writer
     _same_run(one, two)
     model, _ = load_trained(str(two))  # one process, full shapes, peft's own loader

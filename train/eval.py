@@ -20,6 +20,9 @@ train.rope, exactly as training applies them. With neither --adapter nor a model
 it evaluates the tiny model shipped in train/assets/tiny-llama. The results go to --output_json, by default
 DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.json: one entry per task under
 "tasks" (each {"by_length_depth", "by_length", "accuracy"}), and passkey's also at the top level, as before tasks.
+A file already there is merged into (merge_results: what an earlier call measured and this one did not is kept, its
+args under "earlier_calls"), or refused before any weights load when it measured another model or other depths,
+trials, seed or bits; --overwrite replaces it. A bar per task on stderr counts the prompts decoded and the time left.
 --lm_eval_tasks runs lm-evaluation-harness's own RULER tasks on the same model, patched (train.harness): their
 scores by length go under "lm_eval".
 Flags follow train.qlora's conventions (train.args): a mistake is one `error:` line, exit 2.
@@ -38,11 +41,12 @@ from train import run_dir
 from train.args import TINY_LLAMA_DIR, _opt, build_parser, parse_tokens
 from train.deepspeed import LAUNCHER_ENV as DEEPSPEED_LAUNCH_ENV
 from train.errors import UserError
+from train.eval_results import check_earlier, merge_results, rope_text, same_model
 from train.lifecycle import silence_library_noise
 from train.metrics import EVAL_SEED, format_perplexity, format_table, perplexity_by_position
 from train.parallel import launched_world_size
 from train.rope import ROPE_TYPES, check_rope_flags, set_rope_scaling
-from train.tasks import DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks
+from train.tasks import DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks, planned_work
 
 DEFAULT_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 DEFAULT_OUTPUT_DIR = "outputs/eval"  # results of a model evaluated without --adapter: <model directory name>.json
@@ -102,8 +106,12 @@ class EvalArgs:
     lm_eval_limit: int | None = _opt(None, "The first N of lm-eval's prompts per task and length (default: all 500, "
                                      "RULER's count).")
     lm_eval_stock: bool = _opt(False, "Run --lm_eval_tasks on the unpatched model (stock transformers), to compare.")
-    output_json: str | None = _opt(None, "Where the results go (default: ADAPTER/eval_results.json with --adapter, "
-                                   "else outputs/eval/<model directory name>.json).")
+    output_json: str | None = _opt(
+        None, "Where the results go (default: ADAPTER/eval_results.json with --adapter, else outputs/eval/<model "
+        "directory name>.json). An earlier call's results there are kept: this call's tasks and lengths replace the "
+        "same ones, the others stay (the output line says which); a file of another model or other --depths, "
+        "--trials, --seed or --bits is refused (see --overwrite).")
+    overwrite: bool = _opt(False, "Replace the results already in --output_json instead of merging into them.")
 
 
 # ---------------------------------------------------------------- what to evaluate
@@ -184,30 +192,16 @@ def _scale_rope(config, args: EvalArgs, run) -> None:
     set_rope_scaling(config, kind, factor)
 
 
-def _rope_text(params: dict | None) -> str:
-    if not params or params.get("rope_type", "default") == "default":
-        return "no RoPE scaling"
-    factor = params.get("factor")
-    return f"RoPE {params['rope_type']}" + (f" x{factor:g}" if factor else "")
-
-
-def _same_model(a: str, b: str | None) -> bool:
-    local = [Path(x).expanduser() for x in (a, b or "")]
-    if all(path.exists() for path in local):
-        return local[0].resolve() == local[1].resolve()
-    return a == b
-
-
 def _warn_contradictions(run, base: str, config, bits: int) -> None:
     """One warning line per flag that changes the model the run trained (run.config: the run's RoPE)."""
     source = Path(run.adapter_dir) / run_dir.RUN_INFO_FILE
     lines = []
-    if not _same_model(base, run.trained_base):
+    if not same_model(base, run.trained_base):
         lines.append(f"--model_name_or_path {base} replaces the base the run was trained on ({run.trained_base})")
     if (config.rope_parameters, getattr(config, "max_position_embeddings", None)) != \
             (run.config.rope_parameters, getattr(run.config, "max_position_embeddings", None)):
-        lines.append(f"the RoPE flags give {_rope_text(config.rope_parameters)}, the run was trained with "
-                     f"{_rope_text(run.config.rope_parameters)}")
+        lines.append(f"the RoPE flags give {rope_text(config.rope_parameters)}, the run was trained with "
+                     f"{rope_text(run.config.rope_parameters)}")
     if bits != run.bits:
         lines.append(f"--bits {bits} loads the base unlike the run, which trained on {run.bits}-bit weights")
     for text in lines:
@@ -240,6 +234,7 @@ def _prepare(args: EvalArgs, output: str | None):
     check_task_lengths(tokenizer, args.tasks, args.lengths)
     if output is not None:
         run_dir.check_writable(os.path.dirname(output) or ".", "--output_json's directory")
+        check_earlier(args, output, plan.config)
     return plan, tokenizer
 
 
@@ -349,13 +344,19 @@ def run(args: EvalArgs) -> dict:
         prompts = harness.build_tasks(tokenizer, plan.tokenizer_source, args.lm_eval_tasks, args.lengths)
     layout = start_layout(args)
     main_process = layout is None or layout.rank == 0
+    if main_process and args.tasks:  # the planned work, before the weights load
+        shared = (f", shared over {layout.data_world} data-parallel groups (the bars count the main process's share)"
+                  if layout is not None and layout.data_world > 1 else "")
+        print(f"evaluating {planned_work(args.tasks, args.lengths, args.depths, args.trials)}, in batches of up to "
+              f"{args.batch_size}{shared}", file=sys.stderr, flush=True)
     model = _load_weights(plan) if layout is None else _load_in_layout(plan, args, layout)
     # Work shared over the data-parallel groups, each sequence over its sequence-parallel group (train.split_eval).
     split = None if layout is None else SplitEval.of(layout, lockstep=args.fsdp)
     if main_process and layout is not None:
         print(_layout_text(layout, args, model), file=sys.stderr, flush=True)
     tasks = evaluate_tasks(model, tokenizer, args.tasks, lengths=args.lengths, depths=args.depths,
-                           trials=args.trials, seed=args.seed, batch_size=args.batch_size, split=split)
+                           trials=args.trials, seed=args.seed, batch_size=args.batch_size, split=split,
+                           progress=main_process)
     result = dict(tasks.get("passkey", {}))  # passkey at the top level too, as before there were tasks
     result["tasks"] = tasks
     for name, task_result in tasks.items():
@@ -392,9 +393,10 @@ def run(args: EvalArgs) -> dict:
         result["work_by_rank"] = work_done(split)
     if not main_process:
         return result
-    run_dir.write_json(output, result)
-    _pictures(args, output, result)
-    print(f"results written to {output}", file=sys.stderr)
+    written, merged = merge_results(None if args.overwrite else run_dir.read_json(output), result)
+    run_dir.write_json(output, written)
+    _pictures(args, output, written)
+    print(f"results written to {output}" + (f" ({merged})" if merged else ""), file=sys.stderr)
     return result
 
 

@@ -66,17 +66,24 @@ def batched(cases: list[dict], key, batch_size: int) -> list[list[dict]]:
     return [group[i:i + batch_size] for group in groups.values() for i in range(0, len(group), batch_size)]
 
 
-def decode_batches(model, tokenizer, batches: list[list[dict]], *, prompt, new_tokens, score, split=None) -> None:
+def decode_batches(model, tokenizer, batches: list[list[dict]], *, prompt, new_tokens, score, split=None,
+                   progress=None) -> None:
     """Greedy-decode every batch (new_tokens(batch) tokens after each case's prompt(case)) and set each case's
     "correct" to score(case, generated text). With `split` the batches are shared out over its data-parallel groups
-    (train.split_eval.spread): the same batches, so the same answers, as one process."""
+    (train.split_eval.spread): the same batches, so the same answers, as one process. `progress` (a tqdm bar): its
+    total set to the prompts this process decodes, advanced after each of its batches."""
     from train.split_eval import spread
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if progress is not None:  # spread deals batch i to data-parallel group i % data_world
+        mine = batches if split is None else batches[split.data_rank::split.data_world]
+        progress.reset(total=sum(map(len, mine)))
 
     def run(batch: list[dict]) -> list:
         ids = torch.tensor([prompt(c) for c in batch], dtype=torch.long, device=_device(model))
         new = _greedy(model, ids, new_tokens(batch), pad_id, split)
+        if progress is not None:
+            progress.update(len(batch))
         return [score(c, tokenizer.decode(row, skip_special_tokens=True)) for c, row in zip(batch, new.tolist())]
 
     with evaluation_mode(model):
@@ -109,20 +116,20 @@ def check_passkey_lengths(tokenizer, lengths, key_digits: int = DEFAULT_KEY_DIGI
 
 @torch.no_grad()
 def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed: int = 0,
-                     batch_size: int = 8, key_digits: int = DEFAULT_KEY_DIGITS, split=None) -> dict:
+                     batch_size: int = 8, key_digits: int = DEFAULT_KEY_DIGITS, split=None, progress=None) -> dict:
     """Greedy-decode the pass key for every (length, depth, trial); exact match.
 
     Returns {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc}, "accuracy": acc}.
     Prompts of equal token length are batched (no padding needed); batch_size bounds memory. `split`: decode over a
     sequence-parallel group and share the batches over the data-parallel groups (train.split_eval), every rank calling
-    with the same arguments.
+    with the same arguments. `progress`: a tqdm bar counting the prompts decoded (decode_batches).
     """
     check_passkey_lengths(tokenizer, lengths, key_digits)
     cases = _passkey_cases(tokenizer, lengths, depths, trials, seed, key_digits)
     # A few tokens beyond the answer so that a longer (wrong) number is caught.
     decode_batches(model, tokenizer, batched(cases, lambda c: len(c["prompt"]), batch_size),
                    prompt=lambda c: c["prompt"], new_tokens=lambda batch: max(len(c["answer"]) for c in batch) + 2,
-                   score=lambda c, text: answer_is_correct(text, c["key"]), split=split)
+                   score=lambda c, text: answer_is_correct(text, c["key"]), split=split, progress=progress)
     return _summarise(cases, lengths, depths)
 
 
@@ -235,8 +242,9 @@ def format_perplexity(result: dict, max_seq_len: int) -> str:
     return "\n".join(lines)
 
 
-def format_table(result: dict, task: str = "passkey") -> str:
-    """A length x depth table of a task's accuracy (passkey_accuracy's / train.tasks.task_accuracy's result)."""
+def format_table(result: dict, task: str = "passkey", total: bool = True) -> str:
+    """A length x depth table of a task's accuracy (passkey_accuracy's / train.tasks.task_accuracy's result), closed
+    by a "<task> accuracy: X" line when `total`."""
     depths = list(next(iter(result["by_length_depth"].values())))
     names = [f"d={d:g}".rjust(4) for d in depths]
     header = "length | " + " | ".join(names) + " |  all"
@@ -244,5 +252,6 @@ def format_table(result: dict, task: str = "passkey") -> str:
     for length, row in result["by_length_depth"].items():
         cells = " | ".join(f"{row[d]:.2f}".rjust(len(n)) for d, n in zip(depths, names))
         lines.append(f"{length:>6} | {cells} | {result['by_length'][length]:.2f}")
-    lines.append(f"{task} accuracy: {result['accuracy']:.3f}")
+    if total:
+        lines.append(f"{task} accuracy: {result['accuracy']:.3f}")
     return "\n".join(lines)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import random
 import re
 import string
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import Callable
@@ -275,28 +276,51 @@ def _cases(tokenizer, task: str, lengths, depths, trials: int, seed: int) -> lis
 
 @torch.no_grad()
 def task_accuracy(model, tokenizer, task: str, *, lengths, depths, trials: int = 5, seed: int = 0,
-                  batch_size: int = 8, split=None) -> dict:
+                  batch_size: int = 8, split=None, progress=None) -> dict:
     """Greedy-decode every (length, depth, trial) prompt of `task` and score it with the task's scorer.
 
     Returns passkey_accuracy's shape: {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc},
     "accuracy": acc}, acc the mean score (partial credit for multi-value answers). `split`: decode over a
     sequence-parallel group and share the batches over the data-parallel groups (train.split_eval), every rank
-    calling with the same arguments."""
+    calling with the same arguments. `progress`: a tqdm bar counting the prompts decoded."""
     from train.metrics import _summarise, batched, decode_batches
 
     if task == "passkey":  # train.metrics' own (its checks and messages)
         from train.metrics import passkey_accuracy
 
         return passkey_accuracy(model, tokenizer, lengths=lengths, depths=depths, trials=trials, seed=seed,
-                                batch_size=batch_size, split=split)
+                                batch_size=batch_size, split=split, progress=progress)
     cases = _cases(tokenizer, task, lengths, depths, trials, seed)
     batches = batched(cases, lambda c: (len(c["case"].prompt), c["case"].max_new_tokens), batch_size)
     decode_batches(model, tokenizer, batches, prompt=lambda c: c["case"].prompt,
                    new_tokens=lambda batch: batch[0]["case"].max_new_tokens,
-                   score=lambda c, text: TASKS[task].score(text, c["case"].references), split=split)
+                   score=lambda c, text: TASKS[task].score(text, c["case"].references), split=split,
+                   progress=progress)
     return _summarise(cases, lengths, depths)
 
 
-def evaluate_tasks(model, tokenizer, tasks, **kwargs) -> dict:
-    """{task: task_accuracy(...)} in the order given."""
-    return {task: task_accuracy(model, tokenizer, task, **kwargs) for task in tasks}
+def planned_work(tasks, lengths, depths, trials: int) -> str:
+    """The prompts an evaluation decodes, said before it starts: "3 tasks x 2 lengths x 5 depths x 5 trials = 150
+    prompts"."""
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'s' if n != 1 else ''}"
+
+    total = len(tasks) * len(lengths) * len(depths) * trials
+    return (f"{count(len(tasks), 'task')} x {count(len(lengths), 'length')} x {count(len(depths), 'depth')} x "
+            f"{count(trials, 'trial')} = {count(total, 'prompt')}")
+
+
+def evaluate_tasks(model, tokenizer, tasks, *, lengths, depths, trials: int = 5, progress: bool = False,
+                   **kwargs) -> dict:
+    """{task: task_accuracy(...)} in the order given. `progress`: a bar per task on stderr (prompts done / total
+    and the time left, tqdm's), for the main process only."""
+    from tqdm.auto import tqdm
+
+    results = {}
+    for index, task in enumerate(tasks, 1):
+        label = f"{task} ({index}/{len(tasks)})" if len(tasks) > 1 else task
+        with tqdm(desc=label, total=len(lengths) * len(depths) * trials, unit="prompt", file=sys.stderr,
+                  dynamic_ncols=True, disable=not progress) as bar:
+            results[task] = task_accuracy(model, tokenizer, task, lengths=lengths, depths=depths, trials=trials,
+                                          progress=bar, **kwargs)
+    return results

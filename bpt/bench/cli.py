@@ -39,6 +39,7 @@ from bpt.bench.workers import run_ranks, run_worker, worker_main
 from bpt.config import BPTConfig
 from bpt.gpusim.gpus import DEVICES
 
+DEFAULT_OUTPUT_DIR = "bench_results"  # without --output: the results go here, in the current directory
 SIMULATED_MAX_LEN = 1 << 22  # --find_max's cap with --simulate when --max_len is not given
 
 
@@ -111,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--malloc", choices=("mmap", "default"), default="mmap",
                    help="glibc malloc setting of CPU workers (see worker_env); 'default' only to compare")
     p.add_argument("--output", type=Path, default=None,
-                   help="result JSON (a CSV is written next to it); default: bench_results/<model>-<time>.json")
+                   help="result JSON (a CSV is written next to it); default: "
+                        f"{DEFAULT_OUTPUT_DIR}/<model>-<time>.json in the current directory")
     p.add_argument("--sequence_parallel", type=int, nargs="+", default=None, metavar="N",
                    help="sequence-parallel mode: per N, N processes (gloo on CPU, NCCL on CUDA: one GPU per rank) "
                         "each hold a shard of every sequence; patched side only (default: off)")
@@ -374,6 +376,16 @@ def sp_report(args: argparse.Namespace, model_config: dict, probe: dict, runs: l
     return {"environment": env, "summary": summary, "find_max": {}, "runs": runs}
 
 
+def output_path(args: argparse.Namespace, name: str) -> Path:
+    """--output, else DEFAULT_OUTPUT_DIR/<name>.json in the current directory, which is said before the sweep."""
+    if args.output is not None:
+        return args.output
+    output = Path(DEFAULT_OUTPUT_DIR) / f"{name}.json"
+    print(f"results will be written to {output.resolve()} (without --output: {DEFAULT_OUTPUT_DIR}/ in the current "
+          "directory)", flush=True)
+    return output
+
+
 def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = None,
          group_runner: Callable[[dict, int], dict] | None = None) -> dict:
     p = build_parser()
@@ -385,15 +397,16 @@ def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = 
         return gpu_check.run(args, model_config, runner or run_worker)
     runner = runner or (lambda spec: run_worker(spec, args.timeout))
     model_name = args.model if args.model in PRESETS else Path(args.model).stem
-    stamp = lambda: datetime.datetime.now().strftime('%Y%m%d-%H%M%S')  # noqa: E731
+    stamp = datetime.datetime.now().strftime('%Y%m%d-%H%M%S')
+    kind = f"-{args.simulate}" if args.simulate is not None else "-sp" if args.sequence_parallel is not None else ""
+    output = output_path(args, f"{model_name}{kind}-{stamp}")  # said before the sweep
     if args.simulate is not None:
         runs, found = simulated_sweep(args, model_config, runner)
         report = simulated_report(args, environment(args, model_config, runs, None), runs, found)
-        output = args.output or Path("bench_results") / f"{model_name}-{args.simulate}-{stamp()}.json"
         csv_path = write_outputs(output, report)
         print()
         print(format_simulated(args, runs, found))
-        print(f"\nwrote {output} and {csv_path}")
+        print(f"\nwrote {output.resolve()} and {csv_path.name} beside it")
         return report
 
     probe = runner({"task": "probe", "device": args.device, "malloc": args.malloc, "threads": args.torch_threads})
@@ -409,10 +422,8 @@ def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = 
         report = {"environment": environment(args, model_config, runs, probe),
                   "summary": summarize(runs, args.seq_lens), "find_max": found, "runs": runs}
         table = format_report(report["summary"], found)
-        output = args.output or Path("bench_results") / f"{model_name}-{stamp()}.json"
         csv_path = write_outputs(output, report)
     else:
-        output = args.output or Path("bench_results") / f"{model_name}-sp-{stamp()}.json"
         group_runner = group_runner or (lambda spec, world: run_ranks(spec, world, args.timeout))
         runs = sp_sweep(args, model_config, group_runner,
                         lambda runs: write_outputs(output, sp_report(args, model_config, probe, runs)))
@@ -421,5 +432,5 @@ def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = 
         csv_path = write_outputs(output, report)
     print()
     print(table)
-    print(f"\nwrote {output} and {csv_path}")
+    print(f"\nwrote {output.resolve()} and {csv_path.name} beside it")
     return report

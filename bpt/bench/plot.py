@@ -1,7 +1,9 @@
 """Draw a --simulate report: simulated peak memory against sequence length, per side, with the device's
 capacity, its usable part and each side's longest fitting length marked.
 
-    python -m bpt.bench.plot docs/bench/llama-3.1-8b-qlora-h100.json [more.json ...] --output docs/bench/X.png
+    python -m bpt.bench.plot docs/bench/llama-3.1-8b-qlora-h100.json [more.json ...] [--output docs/bench/X.png]
+
+Without --output the picture goes beside the first JSON, its name with .png (llama-3.1-8b-qlora-h100.png).
 
 Needs matplotlib (pip install matplotlib); nothing else in the toolkit does.
 """
@@ -67,16 +69,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("reports", type=Path, nargs="+",
                    help="JSONs written by python -m bpt.bench --simulate ... --output (several: the same model and "
                         "device, e.g. one per side; drawn together)")
-    p.add_argument("--output", type=Path, required=True, help="PNG to write")
+    p.add_argument("--output", type=Path, default=None,
+                   help="PNG to write (default: beside the first report, its name with .png)")
     args = p.parse_args(argv)
+    output = args.output or args.reports[0].with_suffix(".png")
     reports = [json.loads(path.read_text()) for path in args.reports]
     for path, report in zip(args.reports, reports):
         if not report.get("environment", {}).get("simulated"):
             p.error(f"{path} is not a --simulate report")
     report = {"environment": reports[0]["environment"], "runs": [r for rep in reports for r in rep["runs"]],
               "find_max": {side: found for rep in reports for side, found in rep["find_max"].items()}}
-    plot(report, args.output)
-    print(f"wrote {args.output}")
+    plot(report, output)
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

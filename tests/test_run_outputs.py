@@ -1,0 +1,53 @@
+"""What a train.qlora run prints and leaves besides its weights: the evaluation's length x depth tables, a note when the
+warm-up outlasts the run, the trainable-parameter count labelled under tensor parallelism, and a real model card
+(README.md) instead of peft's template."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cli_helpers import base_argv, metrics
+from train.qlora import main, trainable_text
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_a_short_run_prints_its_tables_notes_its_warmup_and_writes_a_model_card(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(base_argv(tiny, out, "--max_steps", 3, "--warmup_steps", 10, "--eval_passkey", "--eval_lengths", 120,
+                          "--eval_depths", 0, 1, "--eval_trials", 1)) == 0
+    captured = capsys.readouterr()
+    # The length x depth table of train.eval, before and after, under each summary line.
+    for when in ("before", "after"):
+        summary = captured.out.index(f"passkey accuracy {when} training: ")
+        table = captured.out[summary:].splitlines()[1:4]
+        assert table[0] == "length |  d=0 |  d=1 |  all" and table[2].startswith("   120 | "), captured.out
+    assert captured.out.count("passkey accuracy") == 2
+    notes = [line for line in captured.err.splitlines() if "--warmup_steps" in line]
+    assert notes == ["note: --warmup_steps 10 is not shorter than the run's 3 steps, so the learning rate never "
+                     "reaches --learning_rate 0.01 (the last step's is 0.002); lower --warmup_steps to reach it"]
+    assert metrics(out)[-1]["lr"] == pytest.approx(0.002)  # what the note says
+
+    card = (out / "README.md").read_text()
+    assert "More Information Needed" not in card
+    for said in (f"base_model: {tiny / 'model'}", "rows of 64 tokens", "4-bit NF4", "LoRA: r 4, alpha 32",
+                 "3 steps of 1 row(s) per process, learning rate 0.01 (cosine, 10 warm-up steps)",
+                 "length |  d=0 |  d=1 |  all", f"python -m train.eval --adapter {out}"):
+        assert said in card, (said, card)
+
+
+def test_no_warmup_note_when_the_run_outlasts_its_warmup(tiny, tmp_path, capsys):
+    from train.args import parse_args
+    from train.qlora import warmup_note
+
+    assert warmup_note(parse_args(base_argv(tiny, tmp_path / "a", "--warmup_steps", 3)), steps=4) is None
+    assert warmup_note(parse_args(base_argv(tiny, tmp_path / "b", "--warmup_steps", 9, "--lr_scheduler_type",
+                                            "constant")), steps=4) is None  # constant: no warm-up at all
+    assert warmup_note(parse_args(base_argv(tiny, tmp_path / "c", "--warmup_steps", 4)), steps=4) is not None
+
+
+def test_the_trainable_count_under_tensor_parallelism_says_it_is_a_slice():
+    model = torch.nn.Linear(4, 3)  # 15 trainable parameters
+    assert trainable_text(model, 1) == "trainable parameters: 15"
+    assert trainable_text(model, 2) == ("trainable parameters per process: 15 (each holds a 1/2 slice of the split "
+                                        "layers)")
