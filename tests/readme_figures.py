@@ -2,17 +2,24 @@
 
 `python tests/readme_figures.py` prints the blocks; `--write` replaces them in the README between their markers
 (tests/test_readme_figures.py asserts the README agrees, and that the committed outputs are what this checkout
-prints now). Two blocks:
+prints now). The blocks:
 
 - `<!-- default-run -->`: the default run's passkey table, from `docs/default-run/<cpu kind>/eval.json` and
   `run_info.json`. The CPU's kernels change the arithmetic (AVX512-BF16 rounds bf16 otherwise than AVX2), so the
   run's figures belong to the kind of CPU that printed them: one committed run per kind, each row saying which.
 - `<!-- plan -->`: `python -m train.qlora --config configs/llama-8b-64k.yaml --plan h100-80gb`, from its committed
   output `docs/plan/llama-8b-64k-h100-80gb.txt`.
+- `<!-- bench-* -->`: the tables of the README's "Benchmark" section, from the committed bench outputs in docs/bench/
+  (`--simulate` Llama-3.1-8B QLoRA, the H100 `--gpu_check`'s memory and speed, sequence parallel without and with
+  tensor parallel).
+
+The figures the README's sentences quote from docs/bench/ are not generated: `stated()` gives each as the phrase
+that states it, and the test asserts the README has them.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -85,7 +92,229 @@ def plan_block() -> str:
             f"{p['seconds']} s on the 2-core machine, `{PLAN_OUTPUT.relative_to(REPO)}`)")
 
 
-BLOCKS = {"default-run": default_run_block, "plan": plan_block}
+BENCH = REPO / "docs" / "bench"
+GIB, MIB = 1 << 30, 1 << 20
+
+
+def bench(name: str) -> dict:
+    return json.loads((BENCH / f"{name}.json").read_text())
+
+
+def gib(n_bytes: float, digits: int = 2) -> str:
+    return f"{n_bytes / GIB:.{digits}f}"
+
+
+def mib(value: float) -> str:
+    """A MiB figure as the tables give it: one decimal, zero as 0."""
+    return "0" if value == 0 else f"{value:.1f}"
+
+
+def k(tokens: int) -> str:
+    return f"{tokens // 1024}K"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table; an empty cell is written `| |`."""
+    lines = ["|" + "|".join(f" {c} " if c else " " for c in cells) + "|" for cells in [header, *rows]]
+    return "\n".join([lines[0], "|" + "---|" * len(header), *lines[1:]])
+
+
+def qlora_block() -> str:
+    """The simulated Llama-3.1-8B QLoRA table: the sweep of `llama-3.1-8b-qlora-h100.json`, the offload rows of
+    `llama-3.1-8b-qlora-offload-h100.json`, each side's `--find_max`."""
+    sweep, offload = bench("llama-3.1-8b-qlora-h100"), bench("llama-3.1-8b-qlora-offload-h100")
+    peaks = {(r["side"], r["seq_len"]): r for r in sweep["runs"] if r["phase"] == "sweep"}
+    rows = [[k(n), *(f"{gib(peaks[side, n]['peak_bytes'])} GiB" for side in ("stock", "patched")), ""]
+            for n in sorted({n for _, n in peaks})]
+    rows += [[k(r["seq_len"]), "", "", f"{gib(r['peak_bytes'])} GiB on the device, {gib(r['host_peak_bytes'])} GiB "
+              "of host memory"] for r in offload["runs"]]
+    longest = max(r["seq_len"] for r in offload["runs"] if r["fits"])
+    rows.append(["longest that fits (`--find_max`)",
+                 *(f"{sweep['find_max'][side]['max_context_tokens']:,}" for side in ("stock", "patched")),
+                 f"at least {longest:,} (the row above)"])
+    return table(["tokens", "stock", "patched", "patched + checkpoint offload"], rows)
+
+
+# How the GPU check's tables name a side (side, bits).
+GPU_SIDES = {("stock", 16): "stock", ("patched", 16): "patched", ("liger", 16): "Liger-Kernel"}
+
+
+def gpu_rows(part: str) -> dict:
+    """The GPU check's cells of a part that ran, by (side, bits) in the check's order, then by length."""
+    rows: dict = {}
+    for r in bench("gpu_check-h100-80gb")[part]:
+        if r["ok"]:
+            rows.setdefault((r["side"], r["bits"]), {})[r["seq_len"]] = r
+    return rows
+
+
+def gpu_memory_block() -> str:
+    rows = gpu_rows("memory")
+    lengths = sorted({n for cells in rows.values() for n in cells})
+    return table(["side", *(f"{k(n)} {what}" for n in lengths for what in ("measured", "simulated"))],
+                 [[GPU_SIDES.get(side, f"{side[0]}, {side[1]}-bit (bitsandbytes / emulated)"),
+                   *(f"{gib(cells[n][key])} GiB" if n in cells else "" for n in lengths
+                     for key in ("measured_bytes", "simulated_bytes"))] for side, cells in rows.items()])
+
+
+def gpu_speed_block() -> str:
+    """Seconds per step (tokens/s); a side the memory table lacks (the peer) with its peak."""
+    rows, in_memory = gpu_rows("speed"), gpu_rows("memory")
+    lengths = sorted({n for cells in rows.values() for n in cells})
+
+    def cell(r: dict, side) -> str:
+        peak = "" if side in in_memory else f", {gib(r['peak_bytes'])} GiB"
+        return f"{r['seconds_per_step']:.3f} s ({r['tokens_per_second']:,.0f}){peak}"
+    return table(["side", *map(k, lengths)],
+                 [[GPU_SIDES.get(side, f"{side[0]}, {side[1]}-bit"),
+                   *(cell(cells[n], side) if n in cells else "" for n in lengths)] for side, cells in rows.items()])
+
+
+def sent(r: dict) -> str:
+    """The bytes a rank sent, and the algorithm's volume where they differ."""
+    equal = r["sent_mib"] == r["theory_mib"]
+    return mib(r["sent_mib"]) + ("" if equal else f" (theory {mib(r['theory_mib'])})")
+
+
+def sequence_parallel_block() -> str:
+    return table(["N", "tokens", "MiB/rank/step", "s/step", "sent MiB/rank/step", "theory MiB"],
+                 [[str(r["world"]), str(r["seq_len"]), mib(r["step_mib"]), f"{r['step_s']:.1f}", mib(r["sent_mib"]),
+                   mib(r["theory_mib"])] for r in bench("sequence_parallel_cpu")["summary"]["rows"]])
+
+
+def sequence_parallel_tp_block() -> str:
+    return table(["TP", "N", "processes", "MiB/rank/step", "whole peak MiB/rank", "s/step",
+                  "sent MiB/rank/step (= theory)"],
+                 [[str(r["tp"]), str(r["world"]), str(r["tp"] * r["world"]), mib(r["step_mib"]), mib(r["peak_mib"]),
+                   f"{r['step_s']:.1f}", sent(r)] for r in bench("sequence_parallel_tp_cpu")["summary"]["rows"]])
+
+
+def within(x: float) -> str:
+    """The bound a README states for a small difference: x rounded up to one significant digit (1.8e-07 -> 2e-7)."""
+    exponent = math.floor(math.log10(x))
+    digit = math.ceil(round(x / 10 ** exponent, 9))
+    return f"{digit}e{exponent}" if digit < 10 else f"1e{exponent + 1}"
+
+
+def by_side(name: str) -> dict:
+    """A bench output's runs by (side, length)."""
+    return {(r["side"], r["seq_len"]): r for r in bench(name)["runs"]}
+
+
+def stated_simulated() -> list[str]:
+    config = bench("llama-3.1-8b-qlora-h100")["environment"]["model_config"]
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    floor = hidden * 2 * layers / 1024  # the bf16 layer checkpoints, KiB per token
+    patched = by_side("llama-3.1-8b-qlora-h100")["patched", 65536]["bytes_per_token"] / 1024
+    bf16 = by_side("llama-3.1-8b-bf16-lora-h100")["patched", 65536]
+    offload = bench("llama-3.1-8b-qlora-offload-h100")["runs"][0]
+    fit, over = bench("llama-3.2-1b-qlora-offload-h100")["runs"]
+    fits = {True: "fit", False: "do not"}
+    largest = max(fit["peak_holders"], key=lambda h: h["bytes"])
+    return [f"bf16 [N, {hidden}] per layer: {floor:.0f} KiB per token over {layers} layers) plus one layer's working "
+            f"set: {patched:.1f} KiB per token in all, {patched / floor:.2f}x that floor",
+            f"(bf16 weights, 64K: {gib(bf16['peak_bytes'])} ->",
+            f"{offload['bytes_per_token'] / 1024:.1f} KiB per token (113.1 before",
+            f"({gib(offload['host_peak_bytes'], 0)} GiB at {k(offload['seq_len'])}:",
+            f"--seq_lens {fit['seq_len']} {over['seq_len']} --sides patched+offload",
+            f"{fit['seq_len']:,} tokens {fits[fit['fits']]} ({gib(fit['peak_bytes'])} GiB on the device, "
+            f"{gib(fit['host_peak_bytes'])} GiB of host memory), {over['seq_len']:,} {fits[over['fits']]} "
+            f"({gib(over['peak_bytes'])} GiB)",
+            f"the largest item is the flash backward's own {largest['dtype']} ({gib(largest['bytes'], 1)} GiB at "
+            f"{fit['seq_len'] / 1e6:.1f}M tokens"]
+
+
+def stated_gpu() -> list[str]:
+    check = bench("gpu_check-h100-80gb")
+    env, versions, tier = check["environment"], check["environment"]["versions"], check["cuda_tier"]
+    memory = [r for cells in gpu_rows("memory").values() for r in cells.values()]
+    extra = {(r["side"], r["bits"], r["seq_len"]): r["measured_bytes"] - r["simulated_bytes"] for r in memory}
+    over = [r["measured_bytes"] / r["simulated_bytes"] - 1 for r in memory]
+    patched_extra = sorted({f"{e / MIB:.0f}" for (side, *_), e in extra.items() if side == "patched"})
+    nominal = bench("llama-3.1-8b-qlora-h100")["environment"]["memory_bytes"]  # simulated h100-80gb: nvidia-smi's
+    # What the 2 GiB reserve covered: the memory the driver keeps from torch, the CUDA context, the allocator's excess.
+    reserve_used = nominal - env["free_bytes_at_start"] + max(extra.values())
+    speed = {side: cells for (side, bits), cells in gpu_rows("speed").items() if bits == 16}
+    step = {(side, n): r["seconds_per_step"] for side, cells in speed.items() for n, r in cells.items()}
+    peak = {(r["side"], r["seq_len"]): r["measured_bytes"] for r in memory if r["bits"] == 16}
+    measured = by_side("llama-3.2-1b-offload-h100-measured")
+    lengths = sorted({n for _, n in measured})
+
+    def pair(key: str, n: int, digits: int, scale: float = 1) -> str:  # patched / patched+offload
+        return " / ".join(f"{measured[side, n][key] / scale:.{digits}f}" for side in ("patched", "patched+offload"))
+    return [f"on one {env['gpu']} (driver {env['driver']}, CUDA {env['torch_cuda']}, torch {versions['torch']}, "
+            f"transformers {versions['transformers']}, peft {versions['peft']}, bitsandbytes "
+            f"{versions['bitsandbytes']}, liger-kernel {versions['liger-kernel']};",
+            f"Every measured peak is {100 * min(over):.1f}-{100 * max(over):.1f}% above the simulated one "
+            f"({'-'.join(patched_extra)} MiB on the patched rows)",
+            f"the card gives torch {gib(env['memory_bytes'])} GiB of nvidia-smi's {gib(nominal)}, and a CUDA context "
+            f"took {gib(env['memory_bytes'] - env['free_bytes_at_start'])} GiB more",
+            f"one H100 used ~{gib(reserve_used)} GiB of it",
+            f"~{gib(reserve_used)} GiB of it measured on one H100",
+            f"At 8K the patched step is {step['patched', 8192] / step['stock', 8192]:.1f}x stock's and "
+            f"{step['patched', 8192] / step['liger', 8192]:.1f}x Liger's",
+            f"at 32K it is within {math.ceil(100 * (step['patched', 32768] / step['stock', 32768] - 1))}% of stock, "
+            f"with {peak['stock', 32768] / peak['patched', 32768]:.1f}x less memory",
+            "patched / patched+offload " + ", ".join(f"{pair('median_s', n, 3)} s at {k(n)}" for n in lengths)
+            + ", peaks " + " and ".join(f"{pair('peak_mib', n, 2, 1024)} GiB" for n in lengths),
+            f"of the CUDA tier {tier['passed'] + tier['failed'] + tier['skipped'] + tier['errors']} of its tests ran "
+            f"({tier['passed']} passed;"]
+
+
+def stated_sequence_parallel() -> list[str]:
+    sp, tp = bench("sequence_parallel_cpu"), bench("sequence_parallel_tp_cpu")
+    rows = {(r["world"], r["seq_len"]): r for r in sp["summary"]["rows"]}
+    growth = sp["summary"]["growth"]
+    first, last = growth["from_seq_len"], growth["to_seq_len"]
+    per_1k, ratio = growth["ring"]["mib_per_1k_tokens"], growth["ring"]["ratio_to_sp1"]
+    one = {r["seq_len"]: r["loss"] for r in sp["runs"] if r["world"] == 1}  # the group losses, relative to these
+    tp_rows = {(r["tp"], r["world"]): r for r in tp["summary"]["rows"]}
+    tp_loss = tp["runs"][0]["loss"]  # one process
+    return [f"the LoRA gradient all-reduce, {rows[1, first]['grad_allreduce_mib']:.1f} MiB here",
+            f"Memory growth {first} -> {last} per rank: "
+            + ", ".join(f"N={n} {g:.2f} MiB per 1K tokens" if n == "1" else f"N={n} {g:.2f} ({ratio[n]:.2f}x)"
+                        for n, g in per_1k.items()),
+            f"the group loss equals the one-process loss within "
+            f"{within(max(abs(r['loss'] / one[r['seq_len']] - 1) for r in sp['runs']))}",
+            f"({sp['environment']['bpt']['loss_chunk']} tokens x {sp['environment']['model_config']['vocab_size']} "
+            "vocab of fp32 logits",
+            f"brings that point from {mib(rows[4, first]['step_mib'])} to",
+            f"At {last} tokens alone, per-rank memory is 1 : "
+            + " : ".join(f"{rows[n, last]['step_mib'] / rows[1, last]['step_mib']:.2f}" for n in (2, 4))
+            + " for N = 1 : 2 : 4",
+            f"Every group's loss is the one-process loss ({tp_loss:.6f}, within "
+            f"{within(max(abs(r['loss'] / tp_loss - 1) for r in tp['runs']))})",
+            f"(the rest of the {mib(tp_rows[1, 1]['peak_mib'] - tp_rows[2, 1]['peak_mib'])} MiB less in the whole "
+            "peak)",
+            f"TP 2 x SP 2 holds {tp_rows[2, 2]['step_mib'] / tp_rows[1, 1]['step_mib']:.2f}x of one process's step "
+            "memory"]
+
+
+def cpu_block() -> str:
+    """The CPU bench table: `llama-ref-cpu.json` measured, `llama-ref-cpu-simulated.json` the same steps on fake CPU
+    tensors."""
+    measured, simulated = bench("llama-ref-cpu")["summary"]["rows"], by_side("llama-ref-cpu-simulated")
+    return table(["tokens", "stock MiB/step", "simulated", "patched MiB/step", "simulated", "mem patched/stock"],
+                 [[str(r["seq_len"]), *(cell for side in ("stock", "patched") for cell in (
+                     mib(r[f"{side}_step_mib"]), mib(simulated[side, r["seq_len"]]["step_bytes"] / MIB))),
+                   f"{r['mem_ratio']:.3f}"] for r in measured])
+
+
+def stated_cpu() -> list[str]:
+    grad = {r["grad_mib"] for r in bench("llama-ref-cpu")["runs"] if r["side"] == "patched"}
+    return [f"About {grad.pop():.0f} MiB of each patched figure is the parameter gradients"]
+
+
+def stated() -> list[str]:
+    """The figures the README's sentences quote from docs/bench/, each as the phrase that states it (line breaks
+    aside): tests/test_readme_figures.py asserts the README has every one. The sentences stay the README's: a figure
+    that changes is fixed there by hand, as the failing test prints it."""
+    return stated_cpu() + stated_simulated() + stated_gpu() + stated_sequence_parallel()
+
+
+BLOCKS = {"default-run": default_run_block, "plan": plan_block, "bench-cpu": cpu_block, "bench-qlora": qlora_block,
+          "bench-gpu-memory": gpu_memory_block, "bench-gpu-speed": gpu_speed_block,
+          "bench-sequence-parallel": sequence_parallel_block, "bench-sequence-parallel-tp": sequence_parallel_tp_block}
 
 
 def readme_block(text: str, name: str) -> str:
@@ -105,4 +334,4 @@ if __name__ == "__main__":
     if "--write" in sys.argv[1:]:
         README.write_text(write(README.read_text()))
     else:
-        print("\n\n".join(block() for block in BLOCKS.values()))
+        print("\n\n".join([*(block() for block in BLOCKS.values()), "\n".join(stated())]))

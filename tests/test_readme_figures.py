@@ -10,7 +10,7 @@ import pytest
 import torch
 from cli_helpers import ENV, REPO
 
-from readme_figures import BLOCKS, DEFAULT_RUN, README, cpu_kind, plan_figures, readme_block
+from readme_figures import BLOCKS, DEFAULT_RUN, README, bench, cpu_kind, plan_figures, readme_block, stated
 
 FIRST_STEPS = 20  # the default run's steps re-run here: two of its logged rows
 
@@ -19,6 +19,14 @@ def test_the_readme_figures_are_generated_from_the_committed_outputs():
     text = README.read_text()
     for name, block in BLOCKS.items():
         assert readme_block(text, name) == block(), f"regenerate with python tests/readme_figures.py --write ({name})"
+
+
+def test_the_readme_sentences_state_the_figures_generated_from_docs_bench():
+    """The figures in the README's sentences (docs/bench/: the simulated, measured and sequence-parallel runs) are the
+    committed outputs': each phrase `stated()` makes from them is in the README, line breaks aside."""
+    text = " ".join(README.read_text().split())
+    missing = [phrase for phrase in stated() if phrase not in text]
+    assert not missing, "the README should say (from docs/bench/):\n" + "\n".join(missing)
 
 
 def test_the_committed_default_run_is_what_this_checkout_prints(tmp_path):
@@ -73,3 +81,17 @@ def test_the_committed_plan_is_what_this_checkout_prints():
     row = simulate(step_spec(args, config, args.max_seq_len, adapter_layout(config, args)))
     peak = row["peak_bytes"] + sum(b for _, b in analytic_extras(args, config, row["trainable_params"]))
     assert size(peak) == plan_figures()["peak"], "rerun the plan into docs/plan/ (README '--plan GPU')"
+
+
+def test_the_committed_cpu_simulation_is_what_this_checkout_simulates(tmp_path):
+    """The 4096-token rows of `docs/bench/llama-ref-cpu-simulated.json` (the README's CPU table), simulated again:
+    the same bytes within 0.1% (a machine's allocator can round a few pages otherwise; the patch's changes move them
+    by percents). The measured columns are the real CPU's, not checked here."""
+    out = tmp_path / "sim.json"
+    done = subprocess.run([sys.executable, "-m", "bpt.bench", "--model", "llama-ref", "--seq_lens", "4096",
+                           "--simulate", "cpu", "--output", str(out)], cwd=REPO, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fresh = {r["side"]: r["step_bytes"] for r in json.loads(out.read_text())["runs"]}
+    committed = {r["side"]: r["step_bytes"] for r in bench("llama-ref-cpu-simulated")["runs"] if r["seq_len"] == 4096}
+    assert fresh == pytest.approx(committed, rel=1e-3), "rerun the README's CPU bench into docs/bench/ (README 'Benchmark')"

@@ -18,7 +18,7 @@ MIB = 1 << 20
 # cuBLAS / kernel workspaces and the caching allocator's fragmentation, none of which a simulation sees. Measured
 # (python -m bpt.bench --gpu_check, one H100 80GB HBM3, docs/bench/gpu_check-h100-80gb.json): torch's total is
 # 79.18 GiB of nvidia-smi's 79.65, a CUDA context took 0.51 GiB, and max_memory_allocated of a step was 0.1-2.1%
-# (at most 70 MiB) above the simulated peak: about 1.1 GiB in all, so 2 GiB leaves ~0.9 GiB for fragmentation.
+# (at most 67 MiB) above the simulated peak: about 1.05 GiB in all, so 2 GiB leaves ~0.95 GiB for fragmentation.
 RESERVE_BYTES = 2 * GIB
 
 
