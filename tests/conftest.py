@@ -19,8 +19,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 PROCESS_MODULES = {
     "test_bench_sequence_parallel", "test_cli_errors", "test_cli_signals", "test_eval_split", "test_qlora_cli",
     "test_qlora_fsdp", "test_qlora_sequence_parallel", "test_qlora_tensor_parallel", "test_qlora_zero3",
-    "test_ring_attention", "test_sequence_parallel_model", "test_split_eval", "test_tensor_parallel_model",
-    "test_trainer_sequence_parallel", "test_ulysses_attention",
+    "test_nothing_lost", "test_ring_attention", "test_sequence_parallel_model", "test_split_eval", "test_tensor_parallel_model",
+    "test_trainer_sequence_parallel", "test_ulysses_attention", "test_memory_preflight",
 }
 
 

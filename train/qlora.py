@@ -21,11 +21,11 @@ launcher forwarding the terminal's Ctrl-C, or a scheduler signalling every proce
 The process around the run (signals, library log noise, the one-line exit) lives in train.lifecycle.
 
 Under `accelerate launch` every rank runs the same checks; a user error is printed once, by the main
-process, every rank exits 2 and the process group is torn down (no rank is left waiting at a collective).
+process, the process group is torn down (no rank is left waiting at a collective) and each machine's first process
+exits 2, the others 0 (train.lifecycle.leave: torchrun's report then names one process).
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
@@ -36,13 +36,12 @@ import torch
 from train import checkpoint, loop, run_dir
 from train.args import TINY_LLAMA_DIR, Args, parse_args
 from train.errors import UserError
-from train.lifecycle import SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise
+from train.lifecycle import SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise, stopped_message
 from train.metrics import EVAL_SEED
 from train.parallel import launched_world_size, make_layout
+from train.peers import PeerLost
 from train.plan import PlanFailed, print_plan
-
-TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
-TRACKER_PROJECT = "train.qlora"  # tensorboard: the subdirectory of output_dir; wandb: the project (or WANDB_PROJECT)
+from train.trackers import check_tracker, init_trackers, log_heatmaps
 
 
 @dataclass
@@ -54,14 +53,6 @@ class RunResult:
 
 
 # ---------------------------------------------------------------- setup: checks before heavy work, accelerator
-
-def check_tracker(report_to: str) -> None:
-    if report_to == "none":
-        return
-    if not any(importlib.util.find_spec(name) for name in TRACKER_PACKAGES[report_to]):
-        raise UserError(f"--report_to {report_to} needs the {report_to} package: pip install {report_to} "
-                        f"(or pass --report_to none)")
-
 
 @dataclass
 class Preflight:
@@ -80,6 +71,7 @@ def preflight(args: Args) -> Preflight:
     from train.data import check_source
     from train.deepspeed import check_zero3, launcher_zero3
     from train.fsdp import check_fsdp, use_launcher_fsdp
+    from train.memory_check import check_memory
     from train.model import check_bpt_support, check_packing, check_weight_files, load_config, load_tokenizer
     from train.parallel import check_layout, check_tensor_parallel_model
     from train.rope import apply_rope_scaling
@@ -113,6 +105,9 @@ def preflight(args: Args) -> Preflight:
     check_tensor_parallel_model(args, config)
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    # Last of the checks that allocate nothing (a second or two of simulated steps), and first of those that do: the
+    # evaluation's length check below builds prompts of --eval_lengths tokens.
+    check_memory(args, zero3)
     if args.eval_passkey:  # found now, not after training
         from train.tasks import check_task_lengths
 
@@ -162,7 +157,7 @@ def check_resume(resume_path: str, args: Args, world_size: int, steps: int) -> N
     """UserError (before the model loads) when the checkpoint cannot continue this run."""
     state = checkpoint.read_state(resume_path)
     checkpoint.check_compatible(state, args, world_size, resume_path)
-    if state["step"] >= steps:
+    if state["step"] > steps or (state["step"] == steps and run_dir.is_finished(args.output_dir)):  # else: finish it
         raise UserError(f"checkpoint {resume_path} is at step {state['step']}, and this run has {steps} steps: "
                         f"raise --max_steps above {state['step']} to train on")
 
@@ -190,39 +185,6 @@ def start_position(accelerator, args: Args, resume_path: str | None, model, opti
         checkpoint.remove_leftovers(args.output_dir)
     accelerator.wait_for_everyone()
     return start_step, position
-
-
-def init_trackers(accelerator, args: Args) -> None:
-    """--report_to: tensorboard under output_dir/train.qlora; wandb's run directory in output_dir (unless
-    WANDB_DIR is set), in project WANDB_PROJECT or train.qlora, named after output_dir."""
-    config = {k: v for k, v in args.to_dict().items() if isinstance(v, (int, float, str, bool))}
-    init_kwargs = {}
-    project = TRACKER_PROJECT
-    if args.report_to == "wandb":
-        project = os.environ.get("WANDB_PROJECT", TRACKER_PROJECT)
-        init_kwargs["wandb"] = {"name": os.path.basename(os.path.abspath(args.output_dir))}
-        if not os.environ.get("WANDB_DIR"):
-            init_kwargs["wandb"]["dir"] = args.output_dir
-    accelerator.init_trackers(project, config=config, init_kwargs=init_kwargs)
-
-
-def log_heatmaps(accelerator, pictures: list[str], step: int) -> None:
-    """The accuracy heatmaps among a run's pictures (accuracy_<task>.png, before / after) to the trackers that take
-    images, as eval/accuracy_<task> (the loss curve is there already, as scalars)."""
-    import numpy as np
-    from PIL import Image  # matplotlib's own dependency: there are pictures only where matplotlib is
-
-    for png in pictures:
-        name = os.path.splitext(os.path.basename(png))[0]
-        if not name.startswith("accuracy_"):
-            continue
-        with Image.open(png) as picture:
-            pixels = np.asarray(picture.convert("RGB"))
-        for tracker in accelerator.trackers:
-            if tracker.name == "tensorboard":
-                tracker.log_images({f"eval/{name}": pixels[None]}, step=step, dataformats="NHWC")
-            elif tracker.name == "wandb":
-                tracker.log_images({f"eval/{name}": [pixels]}, step=step)
 
 
 # ---------------------------------------------------------------- data
@@ -264,6 +226,7 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
     _<length>) and writes them to eval.json under `when` ("before"/"after") beside the earlier results in `evals`:
     {"tasks": {task: result}}, passkey's result also at the top level."""
     from train.deepspeed import partitioned
+    from train.metrics import format_table
     from train.split_eval import SplitEval
     from train.tasks import evaluate_tasks
 
@@ -272,6 +235,7 @@ def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: s
         for name, result in tasks.items():
             lengths = ", ".join(f"{length}: {acc:.3f}" for length, acc in result["by_length"].items())
             print(f"{name} accuracy {when} training: {result['accuracy']:.3f} (by length {lengths}){where}", flush=True)
+            print(format_table(result, name, total=False), flush=True)  # train.eval's table, by length x depth
             logged[f"eval/{name}_accuracy"] = result["accuracy"]
             logged.update({f"eval/{name}_accuracy_{length}": acc for length, acc in result["by_length"].items()})
         result = {**tasks.get("passkey", {}), "tasks": tasks}
@@ -337,10 +301,10 @@ def run(args: Args) -> RunResult:
     else:
         model, optimizer = accelerator.prepare(model, optimizer)
     if main_process:
-        print(f"trainable parameters: {sum(deepspeed.numel(p) for p in model.parameters() if p.requires_grad):,}; "
-              f"{len(dataset)} rows of {args.max_seq_len} tokens; {steps} steps on {accelerator.num_processes} "
-              f"process(es)" + (f"; sequences split {layout.sequence_parallel} ways ({layout.mode})"
-                                 if layout.sequence_parallel > 1 else "")
+        print(f"{trainable_text(model, layout.tensor_parallel)}; {len(dataset)} rows of {args.max_seq_len} tokens; "
+              f"{steps} steps on {accelerator.num_processes} process(es)"
+              + (f"; sequences split {layout.sequence_parallel} ways ({layout.mode})"
+                 if layout.sequence_parallel > 1 else "")
               + (f"; layers split {layout.tensor_parallel} ways (tensor parallel)" if layout.tensor_parallel > 1 else "")
               + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else "")
               + (fsdp_note(args, layout, local_share(model)) if args.fsdp else "")
@@ -349,6 +313,8 @@ def run(args: Args) -> RunResult:
                  + (" in host memory" if zero3.offload_param else "")
                  + (", its optimizer state in host memory" if zero3.offload_optimizer else "") if zero3 else ""),
               file=sys.stderr)
+        if warmup_note(args, steps):
+            print(warmup_note(args, steps), file=sys.stderr)
     start_step, position = start_position(accelerator, args, plan.resume_path, model, optimizer, scheduler, steps)
     if args.report_to != "none":
         init_trackers(accelerator, args)
@@ -365,9 +331,9 @@ def run(args: Args) -> RunResult:
                              last_checkpoint=plan.resume_path)
     trained = accelerator.unwrap_model(model)
     weights = gathered_trainable_state(trained, keep=main_process)  # whole, under FSDP too
-    if main_process:
-        trained.save_pretrained(out, state_dict=weights)
-        tokenizer.save_pretrained(out)
+    # All or nothing (a full disk: one line, and resuming from the final checkpoint-N writes it again).
+    loop.save_on_main(accelerator, f"the final adapter to {out}",
+                      lambda: run_dir.write_adapter(out, trained, weights, tokenizer), None)
     if args.eval_passkey:
         evals["after"] = _evaluate(accelerator, model, tokenizer, args, "after", eval_path, evals, steps, layout)
     if args.merge:
@@ -382,6 +348,11 @@ def run(args: Args) -> RunResult:
         if args.report_to != "none":
             log_heatmaps(accelerator, pictures, steps)
     if main_process:  # last: the marker that the run finished
+        from train.model_card import write_model_card
+
+        write_model_card(out, args, steps=steps, evals=evals, final_loss=losses[-1] if losses else None,
+                         rope_parameters=plan.config.rope_parameters if plan.rope_factor else None,
+                         positions=getattr(plan.config, "max_position_embeddings", None))  # in place of peft's
         run_dir.write_json(os.path.join(out, run_dir.RUN_INFO_FILE), {
             "finished": True, "steps": steps, "final_loss": losses[-1] if losses else None,
             "wall_time_s": round(time.time() - started, 1), "model_name_or_path": args.model_name_or_path,
@@ -393,6 +364,27 @@ def run(args: Args) -> RunResult:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return RunResult(model=trained, tokenizer=tokenizer, losses=losses, eval=evals or None)
+
+
+def trainable_text(model, tensor_parallel: int) -> str:
+    """The opening line's count of trainable parameters; under tensor parallelism a process's own, its slice."""
+    from train import deepspeed
+
+    count = sum(deepspeed.numel(p) for p in model.parameters() if p.requires_grad)
+    if tensor_parallel == 1:
+        return f"trainable parameters: {count:,}"
+    return f"trainable parameters per process: {count:,} (each holds a 1/{tensor_parallel} slice of the split layers)"
+
+
+def warmup_note(args: Args, steps: int) -> str | None:
+    """A note when the warm-up is as long as the run: the learning rate then never reaches --learning_rate (kept as
+    given, as HF Trainer keeps it)."""
+    if args.lr_scheduler_type == "constant" or args.warmup_steps < steps:
+        return None
+    # Step k trains at lr * (k - 1) / warmup_steps during the warm-up (transformers' schedules).
+    return (f"note: --warmup_steps {args.warmup_steps} is not shorter than the run's {steps} steps, so the learning "
+            f"rate never reaches --learning_rate {args.learning_rate:g} (the last step's is "
+            f"{args.learning_rate * (steps - 1) / args.warmup_steps:.3g}); lower --warmup_steps to reach it")
 
 
 def fsdp_note(args: Args, layout, share: float) -> str:
@@ -431,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             return leave(f"error: {error}", 2)
         except PlanFailed as error:
             return leave(f"error: {error}", 1)
+        except (checkpoint.SaveFailed, PeerLost) as error:  # a dead process: the lowest rank alive prints
+            return leave(stopped_message(str(error), error.last_checkpoint, args, argv), 1, here=error.report)
         except loop.TrainingDiverged as error:
             return leave(f"error: {error}", 1)
         except Interrupted as stop:
