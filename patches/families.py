@@ -201,13 +201,13 @@ class UnsupportedModelError(ValueError):
 
 def family_of(config) -> Family:
     """The table row for a transformers config, or an error saying why this family is not supported (one line,
-    pointing at the README's support table)."""
+    pointing at the support table of docs/families.md)."""
     from patches.unsupported import user_reason
 
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
             f"apply_bpt_patch does not support {model_type!r} models: {user_reason(model_type)}. The supported "
-            "families are in the README's support table; train this model without the patch (e.g. --no_bpt)"
+            "families are in the support table of docs/families.md; train this model without the patch (e.g. --no_bpt)"
         )
     return FAMILIES[model_type]

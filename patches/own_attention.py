@@ -7,7 +7,7 @@ config gets a view of it instead, which shares the config's settings (one `__dic
 `model.config` reaches the caller's object, as unpatched) but holds its own attention implementation. A copy of the
 view (deepcopy, pickle, `from_config(patched.config)`) is a plain config with the stock implementation.
 
-Rule for switching (README): a patched model refuses another attention implementation
+Rule for switching (docs/patch.md): a patched model refuses another attention implementation
 (`set_attn_implementation`, `config._attn_implementation = ...`) with what to do: remove the patch first.
 
 Attention weights: the blockwise kernel never forms them. A call that asks for them (`output_attentions=True`,

@@ -1,20 +1,20 @@
-"""The README's figures from runs, generated from the committed outputs they come from.
+"""The figures from runs in the README and the docs/ pages, generated from the committed outputs they come from.
 
-`python tests/readme_figures.py` prints the blocks; `--write` replaces them in the README between their markers
-(tests/test_readme_figures.py asserts the README agrees, and that the committed outputs are what this checkout
-prints now). The blocks:
+`python tests/readme_figures.py` prints the blocks; `--write` replaces them between their markers in whichever page
+holds them (README.md or docs/*.md; tests/test_readme_figures.py asserts each page agrees, and that the committed
+outputs are what this checkout prints now). The blocks:
 
-- `<!-- default-run -->`: the default run's passkey table, from `docs/default-run/<cpu kind>/eval.json` and
+- `<!-- default-run -->` (README): the default run's passkey table, from `docs/default-run/<cpu kind>/eval.json` and
   `run_info.json`. The CPU's kernels change the arithmetic (AVX512-BF16 rounds bf16 otherwise than AVX2), so the
   run's figures belong to the kind of CPU that printed them: one committed run per kind, each row saying which.
-- `<!-- plan -->`: `python -m train.qlora --config configs/llama-8b-64k.yaml --plan h100-80gb`, from its committed
-  output `docs/plan/llama-8b-64k-h100-80gb.txt`.
-- `<!-- bench-* -->`: the tables of the README's "Benchmark" section, from the committed bench outputs in docs/bench/
+- `<!-- plan -->` (docs/training.md): `python -m train.qlora --config configs/llama-8b-64k.yaml --plan h100-80gb`,
+  from its committed output `docs/plan/llama-8b-64k-h100-80gb.txt`.
+- `<!-- bench-* -->` (docs/benchmark.md): the benchmark's tables, from the committed bench outputs in docs/bench/
   (`--simulate` Llama-3.1-8B QLoRA, the H100 `--gpu_check`'s memory and speed, sequence parallel without and with
   tensor parallel).
 
-The figures the README's sentences quote from docs/bench/ are not generated: `stated()` gives each as the phrase
-that states it, and the test asserts the README has them.
+The figures the pages' sentences quote from docs/bench/ are not generated: `stated()` gives each as the phrase
+that states it, and the test asserts the pages have them.
 """
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+
+
+def pages() -> list[Path]:
+    """The README and the docs/ pages: where the blocks and the stated figures live."""
+    return [README, *sorted((REPO / "docs").glob("*.md"))]
+
+
 DEFAULT_RUN = REPO / "docs" / "default-run"
 PLAN_OUTPUT = REPO / "docs" / "plan" / "llama-8b-64k-h100-80gb.txt"
 # The CPU kinds a default run is committed for: directory -> how the README names it.
@@ -190,7 +197,7 @@ def sequence_parallel_tp_block() -> str:
 
 
 def within(x: float) -> str:
-    """The bound a README states for a small difference: x rounded up to one significant digit (1.8e-07 -> 2e-7)."""
+    """The bound a page states for a small difference: x rounded up to one significant digit (1.8e-07 -> 2e-7)."""
     exponent = math.floor(math.log10(x))
     digit = math.ceil(round(x / 10 ** exponent, 9))
     return f"{digit}e{exponent}" if digit < 10 else f"1e{exponent + 1}"
@@ -306,9 +313,9 @@ def stated_cpu() -> list[str]:
 
 
 def stated() -> list[str]:
-    """The figures the README's sentences quote from docs/bench/, each as the phrase that states it (line breaks
-    aside): tests/test_readme_figures.py asserts the README has every one. The sentences stay the README's: a figure
-    that changes is fixed there by hand, as the failing test prints it."""
+    """The figures the pages' sentences quote from docs/bench/, each as the phrase that states it (line breaks
+    aside): tests/test_readme_figures.py asserts the README or a docs/ page has every one. The sentences stay the
+    pages': a figure that changes is fixed there by hand, as the failing test prints it."""
     return stated_cpu() + stated_simulated() + stated_gpu() + stated_sequence_parallel()
 
 
@@ -332,6 +339,8 @@ def write(text: str) -> str:
 
 if __name__ == "__main__":
     if "--write" in sys.argv[1:]:
-        README.write_text(write(README.read_text()))
+        for page in pages():
+            if (text := page.read_text()) != (new := write(text)):
+                page.write_text(new)
     else:
         print("\n\n".join([*(block() for block in BLOCKS.values()), "\n".join(stated())]))

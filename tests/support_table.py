@@ -1,9 +1,9 @@
-"""The README's support table, generated from the registry (`FAMILIES`) and the tests' tiny configs.
+"""The support table of docs/families.md, generated from the registry (`FAMILIES`) and the tests' tiny configs.
 
 It lives with the tests because it reads them (tests/tiny_models.py, tests/test_generation.py): the installed
-package never does. `python tests/support_table.py` prints the table; `--write` replaces the README block between
-`<!-- support-table -->` and `<!-- /support-table -->`, and the family list and count (tests/test_readme_sync.py
-asserts the README agrees).
+package never does. `python tests/support_table.py` prints the table; `--write` replaces the block of
+docs/families.md between `<!-- support-table -->` and `<!-- /support-table -->`, its family list, and the family
+count there and in the README (tests/test_readme_sync.py asserts both pages agree).
 
 Every mark is derived from data, none is typed by hand:
 
@@ -35,6 +35,7 @@ from tiny_models import TINY_CONFIGS, tiny_config
 
 TESTS = Path(__file__).resolve().parent
 README = TESTS.parent / "README.md"
+FAMILIES_PAGE = TESTS.parent / "docs" / "families.md"  # the list and the table; the README states the count
 BEGIN, END = "<!-- support-table -->", "<!-- /support-table -->"
 FEATURES = ("padding", "packing", "window", "softcap", "sinks", "ALiBi", "MoE", "generation")
 
@@ -122,12 +123,13 @@ def support_table() -> str:
 
 
 def readme_block(text: str) -> str:
-    """What the README holds between the markers (stripped)."""
+    """What a page holds between the markers (stripped)."""
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
 
 
 def with_family_list(text: str) -> str:
-    """README text with its `<!-- families -->` list (wrapped, indented under its bullet) and count from FAMILIES."""
+    """A page's text with its `<!-- families -->` list (wrapped, indented under its bullet) and count from FAMILIES
+    (either one where the page has it)."""
     lines, line = [], "  <!-- families -->"
     for name in sorted(FAMILIES):
         piece = f"{name}, "
@@ -144,9 +146,9 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     table = support_table()
     if argv == ["--write"]:
-        text = with_family_list(README.read_text())
-        head, rest = text.split(BEGIN, 1)
-        README.write_text(f"{head}{BEGIN}\n\n{table}\n\n{END}{rest.split(END, 1)[1]}")
+        README.write_text(with_family_list(README.read_text()))
+        head, rest = with_family_list(FAMILIES_PAGE.read_text()).split(BEGIN, 1)
+        FAMILIES_PAGE.write_text(f"{head}{BEGIN}\n\n{table}\n\n{END}{rest.split(END, 1)[1]}")
     elif argv:
         sys.exit("usage: python tests/support_table.py [--write]")
     else:

@@ -135,7 +135,7 @@ def test_user_error_under_accelerate_launch_is_one_line_from_the_main_process(ti
     assert "<NO_OTHER_FAILURES>" in output and "closing signal" not in output
     # ... and it shows the user's line as the cause, not its pointer to the elastic docs.
     assert len(re.findall(r"traceback\s*:\s*" + re.escape(errors[0]), output)) == 1
-    # What the README says the user sees after our line: torchrun's log line of the failure, the launcher's Python
+    # What docs/training.md says the user sees after our line: torchrun's log line of the failure, the launcher's Python
     # traceback (its own frames) and the 16-line report, nothing else.
     after = output.strip().splitlines()[output.strip().splitlines().index(errors[0]) + 1:]
     assert "failed (exitcode: 2) local_rank: 0" in after[0] and after[1] == "Traceback (most recent call last):", output

@@ -65,5 +65,5 @@ def test_unsupported_family_says_why_in_one_line(model_type, why):
     message = str(error.value)
     print(message)
     assert "\n" not in message and len(message) < 320, "one short line"
-    assert why in message and "README's support table" in message and "--no_bpt" in message
+    assert why in message and "docs/families.md" in message and "--no_bpt" in message
     assert not re.search(r"\b(llama|bloom|afmoe|AttentionInterface)\b", message), "no family list, no internal names"

@@ -231,7 +231,7 @@ def test_generate_matches_stock():
 def test_unsupported_family_is_refused():
     model = AutoModelForCausalLM.from_config(OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
                                                        ffn_dim=48, num_attention_heads=4, word_embed_proj_dim=32))
-    with pytest.raises(UnsupportedModelError, match=r"does not support 'opt' models: .*MLP.*README's support table"):
+    with pytest.raises(UnsupportedModelError, match=r"does not support 'opt' models: .*MLP.*docs/families\.md"):
         apply_bpt_patch(model)
     assert not is_patched(model)
 

@@ -140,7 +140,7 @@ def test_sequence_parallel_says_its_losses_equal_one_process_only_without_dropou
     from train.args import build_parser
 
     assert "only with --lora_dropout 0" in _helps(build_parser())["--sequence_parallel"]
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Sequence parallelism"):]
+    page = (REPO / "docs" / "parallelism.md").read_text()
+    section = page[page.index("## Sequence parallelism"):]
     section = section[:section.index("\n## ")]
     assert "--lora_dropout 0" in section

@@ -1,5 +1,5 @@
-"""The README's figures from runs are the committed outputs', and those outputs are what this checkout prints
-(tests/readme_figures.py generates the README blocks from them)."""
+"""The figures from runs in the README and docs/ pages are the committed outputs', and those outputs are what this
+checkout prints (tests/readme_figures.py generates the pages' blocks from them)."""
 import json
 import signal
 import subprocess
@@ -10,23 +10,27 @@ import pytest
 import torch
 from cli_helpers import ENV, REPO
 
-from readme_figures import BLOCKS, DEFAULT_RUN, README, bench, cpu_kind, plan_figures, readme_block, stated
+from readme_figures import BLOCKS, DEFAULT_RUN, bench, cpu_kind, pages, plan_figures, readme_block, stated
 
 FIRST_STEPS = 20  # the default run's steps re-run here: two of its logged rows
 
 
 def test_the_readme_figures_are_generated_from_the_committed_outputs():
-    text = README.read_text()
+    """Each block is in exactly one page (README.md or docs/*.md) and is what the committed outputs generate."""
+    texts = {page.name: page.read_text() for page in pages()}
     for name, block in BLOCKS.items():
-        assert readme_block(text, name) == block(), f"regenerate with python tests/readme_figures.py --write ({name})"
+        holders = [page for page, text in texts.items() if f"<!-- {name} -->" in text]
+        assert len(holders) == 1, f"<!-- {name} --> should be in one page, is in {holders}"
+        assert readme_block(texts[holders[0]], name) == block(), \
+            f"regenerate with python tests/readme_figures.py --write ({name} in {holders[0]})"
 
 
 def test_the_readme_sentences_state_the_figures_generated_from_docs_bench():
-    """The figures in the README's sentences (docs/bench/: the simulated, measured and sequence-parallel runs) are the
-    committed outputs': each phrase `stated()` makes from them is in the README, line breaks aside."""
-    text = " ".join(README.read_text().split())
+    """The figures in the pages' sentences (docs/bench/: the simulated, measured and sequence-parallel runs) are the
+    committed outputs': each phrase `stated()` makes from them is in the README or a docs/ page, line breaks aside."""
+    text = " ".join(" ".join(page.read_text().split()) for page in pages())
     missing = [phrase for phrase in stated() if phrase not in text]
-    assert not missing, "the README should say (from docs/bench/):\n" + "\n".join(missing)
+    assert not missing, "the README or docs/ pages should say (from docs/bench/):\n" + "\n".join(missing)
 
 
 def test_the_committed_default_run_is_what_this_checkout_prints(tmp_path):
@@ -80,13 +84,13 @@ def test_the_committed_plan_is_what_this_checkout_prints():
     config, _ = model_config(args.model_name_or_path, False)
     row = simulate(step_spec(args, config, args.max_seq_len, adapter_layout(config, args)))
     peak = row["peak_bytes"] + sum(b for _, b in analytic_extras(args, config, row["trainable_params"]))
-    assert size(peak) == plan_figures()["peak"], "rerun the plan into docs/plan/ (README '--plan GPU')"
+    assert size(peak) == plan_figures()["peak"], "rerun the plan into docs/plan/ (docs/training.md '--plan GPU')"
 
 
 def test_the_committed_cpu_simulation_is_what_this_checkout_simulates(tmp_path):
-    """The 4096-token rows of `docs/bench/llama-ref-cpu-simulated.json` (the README's CPU table), simulated again:
-    the same bytes within 0.1% (a machine's allocator can round a few pages otherwise; the patch's changes move them
-    by percents). The measured columns are the real CPU's, not checked here."""
+    """The 4096-token rows of `docs/bench/llama-ref-cpu-simulated.json` (docs/benchmark.md's CPU table), simulated
+    again: the same bytes within 0.1% (a machine's allocator can round a few pages otherwise; the patch's changes move
+    them by percents). The measured columns are the real CPU's, not checked here."""
     out = tmp_path / "sim.json"
     done = subprocess.run([sys.executable, "-m", "bpt.bench", "--model", "llama-ref", "--seq_lens", "4096",
                            "--simulate", "cpu", "--output", str(out)], cwd=REPO, env=ENV, capture_output=True,
@@ -94,4 +98,4 @@ def test_the_committed_cpu_simulation_is_what_this_checkout_simulates(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     fresh = {r["side"]: r["step_bytes"] for r in json.loads(out.read_text())["runs"]}
     committed = {r["side"]: r["step_bytes"] for r in bench("llama-ref-cpu-simulated")["runs"] if r["seq_len"] == 4096}
-    assert fresh == pytest.approx(committed, rel=1e-3), "rerun the README's CPU bench into docs/bench/ (README 'Benchmark')"
+    assert fresh == pytest.approx(committed, rel=1e-3), "rerun the CPU bench into docs/bench/ (docs/benchmark.md)"

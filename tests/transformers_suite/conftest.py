@@ -15,7 +15,7 @@ Patched, every causal LM of a supported family is patched with q_block = kv_bloc
 BPT_SUITE_BLOCKS tokens (default 4: the testers' sequences are 7 tokens long, so attention, MLP and loss really run
 in several blocks), whether the test builds it with `Model(config)` (wrapped `PreTrainedModel.post_init`) or through
 `from_pretrained` / `from_config` (the loaders' patch, `apply_bpt_patch(**options)` with no model). The run ends
-with one line counting the models patched each way. Failures that are by design are listed in the README
+with one line counting the models patched each way. Failures that are by design are listed in docs/patch.md
 ("transformers' own test suites, patched").
 """
 from __future__ import annotations
