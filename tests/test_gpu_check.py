@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bpt.bench import gpu_check
+from bpt.bench.cuda_tier import run_cuda_tier
 from bpt.bench.cli import main
 
 ROOT = gpu_check.ROOT
@@ -90,7 +91,7 @@ def test_cuda_tier_keeps_each_failure_with_its_text(tmp_path):
         "@pytest.mark.cuda\ndef test_wrong():\n    assert 1 + 1 == 3, 'arithmetic'\n\n"
         "def test_not_cuda():\n    raise AssertionError('deselected: never runs')\n")
     (checkout / "test_broken.py").write_text("import no_such_package_here\n")
-    tier = gpu_check.run_cuda_tier(checkout, tmp_path, 120.0)
+    tier = run_cuda_tier(checkout, tmp_path, 120.0)
     assert (tier["passed"], tier["failed"], tier["errors"]) == (1, 1, 0), tier
     assert tier["verdicts"] == {"test_ok": "passed", "test_wrong": "failed"}
     assert "arithmetic" in tier["failures"][0]["detail"]

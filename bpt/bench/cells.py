@@ -1,4 +1,4 @@
-"""Worker task "cells": one side of the GPU check in one process, a model built once and each length run in turn.
+"""Worker tasks of the GPU check: "environment" (the card and the versions, `device_environment`) and "cells": one side of the GPU check in one process, a model built once and each length run in turn.
 
 Per length (a cell):
 - `tracked: true`: one step as the simulation runs it (bpt.bench.simulate.tracked_step: the patch with compile off,
@@ -21,11 +21,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
+import platform
 import statistics
+import subprocess
 import time
 
 import torch
 
+from bpt.bench.report import package_version
 from bpt.bench.simulate import (build_simulated_model, extrapolated_to_depth, patch, quantiser, step_inputs,
                                 tracked_step, training_step, transformers_sees_real_tensors)
 from bpt.gpusim.gpus import device as simulated_device
@@ -67,6 +71,39 @@ class _Models:
             self.handle.remove()
         self.layers, self.model, self.handle = None, None, None
         _release(self.real)
+
+LIBRARIES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel", "triton", "datasets")
+
+
+def device_environment(spec: dict) -> dict:
+    """Worker task "environment": the card and the versions, read in a process like the ones that will run."""
+    import torch
+
+    versions = {name: package_version(name) for name in LIBRARIES}
+    env = {"ok": True, "python": platform.python_version(), "versions": versions, "torch_cuda": torch.version.cuda,
+           "cpu_count": os.cpu_count(), "hostname": platform.node()}
+    if spec.get("real"):
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info()
+        env |= {"gpu": props.name, "gpu_count": torch.cuda.device_count(), "memory_bytes": total,
+                "free_bytes_at_start": free, "capability": list(torch.cuda.get_device_capability(0)),
+                "multiprocessors": props.multi_processor_count, "driver": _nvidia_smi("driver_version"),
+                "bf16": torch.cuda.is_bf16_supported()}
+    else:
+        gpu = simulated_device(spec["simulate"])
+        env |= {"gpu": gpu.label, "gpu_count": 1, "memory_bytes": gpu.memory_bytes,
+                "capability": list(gpu.capability), "driver": None}
+    return env
+
+
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
 
 
 def _release(real: bool) -> None:

@@ -25,18 +25,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import importlib.util
 import json
 import os
-import platform
-import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bpt.bench.cuda_tier import run_cuda_tier
 from bpt.bench.models import PEER, resolve_model_config
-from bpt.bench.report import package_version
 from bpt.bench.simulate import longest_fitting
 from bpt.gpusim.gpus import DEVICES, GIB, RESERVE_BYTES
 from bpt.gpusim.gpus import device as simulated_device
@@ -54,7 +50,6 @@ FIND_MAX_RESOLUTION = 8192  # the simulation's bisection on the card, in tokens
 SIM_LAYERS = 2  # the simulated rows run 2 and 3 layers and extend the (linear) bytes to the depth
 # Seconds each part leaves for the parts after it, out of the check's budget.
 RESERVE_AFTER = {"memory": 300, "speed": 200, "cuda_tier": 50, "max_context": 5}
-LIBRARIES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel", "triton", "datasets")
 CARDS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100-80gb"), ("L40S", "l40s-48gb"),
          ("4090", "rtx4090-24gb"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,36 +86,6 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         return resolve_model_config(args.model, max(args.max_len, max(LONG_LENGTHS)))
     except ValueError as error:
         p.error(str(error))
-
-
-def device_environment(spec: dict) -> dict:
-    """Worker task "environment": the card and the versions, read in a process like the ones that will run."""
-    import torch
-
-    versions = {name: package_version(name) for name in LIBRARIES}
-    env = {"ok": True, "python": platform.python_version(), "versions": versions, "torch_cuda": torch.version.cuda,
-           "cpu_count": os.cpu_count(), "hostname": platform.node()}
-    if spec.get("real"):
-        props = torch.cuda.get_device_properties(0)
-        free, total = torch.cuda.mem_get_info()
-        env |= {"gpu": props.name, "gpu_count": torch.cuda.device_count(), "memory_bytes": total,
-                "free_bytes_at_start": free, "capability": list(torch.cuda.get_device_capability(0)),
-                "multiprocessors": props.multi_processor_count, "driver": _nvidia_smi("driver_version"),
-                "bf16": torch.cuda.is_bf16_supported()}
-    else:
-        gpu = simulated_device(spec["simulate"])
-        env |= {"gpu": gpu.label, "gpu_count": 1, "memory_bytes": gpu.memory_bytes,
-                "capability": list(gpu.capability), "driver": None}
-    return env
-
-
-def _nvidia_smi(field: str) -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
 def card_of(gpu_name: str, memory_bytes: int) -> str:
@@ -262,67 +227,6 @@ def part_speed(check: Check) -> None:
         check.report["speed"].extend(_speed_row(side, 16, cell, check.real) for cell in cells)
         check.save()
     check.save("speed")
-
-
-# Runs pytest with a plugin that writes each test's outcome (and a failure's text) to a file as it happens: a tier
-# stopped at the check's time limit still says what failed and why. Modules that cannot be imported here (a package
-# the machine lacks) are listed apart, not counted as failed tests.
-_TIER_RUNNER = """\
-import json, sys, pytest
-path = sys.argv[1]
-def note(**row):
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\\n")
-class Stream:
-    def pytest_runtest_logreport(self, report):
-        if report.when == "call" or report.outcome != "passed":
-            note(test=report.nodeid.split("::", 1)[-1], when=report.when, outcome=report.outcome,
-                 seconds=round(report.duration, 1), detail=report.longreprtext[-3000:] if report.failed else "")
-    def pytest_collectreport(self, report):
-        if report.failed:
-            note(module=report.nodeid, detail=report.longreprtext[-1000:])
-sys.exit(pytest.main(sys.argv[2:], plugins=[Stream()]))
-"""
-
-
-def run_cuda_tier(where: Path, out: Path, timeout: float) -> dict:
-    """`python -m pytest -m cuda` in the checkout `where` (its own pytest configuration finds the tests): counts,
-    each failure's text, the modules that could not be collected; the log in out/cuda_tier.log."""
-    from bpt.bench.workers import worker_env
-
-    tier = {"command": "python -m pytest -m cuda", "passed": 0, "failed": 0, "skipped": 0, "errors": 0, "verdicts": {},
-            "failures": [], "not_collected": []}
-    outcomes = out / "cuda_tier.jsonl"
-    outcomes.unlink(missing_ok=True)
-    per_test = ["--timeout", "150"] if importlib.util.find_spec("pytest_timeout") else []
-    command = [sys.executable, "-c", _TIER_RUNNER, str(outcomes), "-m", "cuda", "-v", "-p", "no:cacheprovider",
-               "--continue-on-collection-errors", *per_test]
-    start = time.time()
-    try:
-        proc = subprocess.run(command, cwd=where, env=worker_env("default"), capture_output=True, text=True,
-                              timeout=timeout)
-        log, tier["returncode"] = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as stop:
-        log = stop.stdout.decode(errors="replace") if isinstance(stop.stdout, bytes) else (stop.stdout or "")
-        tier["error"] = f"stopped after {timeout:.0f} s (the check's time budget); counts are what finished"
-    tier["seconds"] = round(time.time() - start, 1)
-    (out / "cuda_tier.log").write_text(log)
-    reports = [json.loads(line) for line in outcomes.read_text().splitlines()] if outcomes.exists() else []
-    outcomes.unlink(missing_ok=True)
-    for report in reports:
-        if "module" in report:
-            last = (report["detail"].strip().splitlines() or [""])[-1]
-            tier["not_collected"].append(f"{report['module']}: {last[:200]}")
-            continue
-        verdict = report["outcome"] if report["outcome"] != "failed" or report["when"] == "call" else "error"
-        if tier["verdicts"].get(report["test"]) in ("failed", "error"):
-            continue  # a teardown after a failure does not change the verdict
-        tier["verdicts"][report["test"]] = verdict
-        if report["detail"]:
-            tier["failures"].append({"test": report["test"], "when": report["when"], "detail": report["detail"]})
-    for verdict in tier["verdicts"].values():
-        tier[{"error": "errors"}.get(verdict, verdict)] += 1
-    return tier
 
 
 def part_cuda_tier(check: Check) -> None:

@@ -40,7 +40,7 @@ def _cells(spec: dict) -> dict:
 
 
 def _environment(spec: dict) -> dict:
-    from bpt.bench.gpu_check import device_environment
+    from bpt.bench.cells import device_environment
 
     return device_environment(spec)
 
