@@ -52,7 +52,9 @@ import torch
 import torch.distributed as dist
 
 from bpt.attention import segment_ids_from_position_ids
+from bpt.mesh import sequence_parallel_group  # the groups of patches.trainer's layout: bpt.mesh builds every group
 from bpt.sequence_parallel import ring_attention, sequence_shard, ulysses_attention, zigzag_shard
+from bpt.tensor_parallel import all_reduce_flat
 from patches.attention import CONFIG_ATTR, SEQUENCE_PARALLEL_ATTR
 
 __all__ = ["SequenceParallelContext", "shard_batch", "sequence_parallel_attention", "reduce_gradients", "group_loss",
@@ -117,21 +119,6 @@ class SequenceParallelContext:
                              f"over the {world} ranks of the group, so they must divide by {world}; use mode "
                              "'ring' for this head count")
         return ulysses_attention(query, key, value, key_bias=key_bias, sinks=sinks, **common)
-
-
-def sequence_parallel_group(size: int):
-    """This rank's group when the world splits into groups of `size` consecutive ranks (g*size .. g*size+size-1),
-    the layout patches.trainer uses, and train.qlora's without --tensor_parallel (with it: patches.tensor_parallel.mesh_groups).
-    Every rank must call it: every rank creates every group."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if size < 1 or world % size:
-        raise ValueError(f"sequence-parallel groups of {size} must divide the {world} processes")
-    mine = None
-    for first in range(0, world, size):
-        group = dist.new_group(list(range(first, first + size)))
-        if first <= rank < first + size:
-            mine = group
-    return mine
 
 
 def shard_batch(batch: dict, group=None, mode: str = "ring") -> tuple[dict, SequenceParallelContext]:
@@ -225,12 +212,7 @@ def reduce_gradients(model, group=None) -> None:
             p.grad = torch.zeros_like(p)
         buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
     for grads in buckets.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_flat(grads, group)
 
 
 def group_loss(loss: torch.Tensor, group=None) -> torch.Tensor:

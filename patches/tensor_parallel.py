@@ -8,11 +8,16 @@ layer as an ordinary local module, with explicit collectives around each pair.
     clip_grad_norm_(model.parameters(), 1.0, group)   # the norm of the whole (unsliced) gradient
     state = gathered_state_dict(model, group)         # full shapes, for save_pretrained(state_dict=state)
 
+The groups (`tensor_parallel_group`, `mesh_groups`) come from bpt.mesh and the collectives and gradient helpers
+(`reduce_tensor_parallel_gradients`, `clip_grad_norm_`, `gathered_state_dict`, `gather_param`) from
+bpt.tensor_parallel, pure torch; they are importable from here too. This module is what reads transformers, peft and
+bitsandbytes: the plan, fused layouts, slicing 4-bit weights and LoRA.
+
 Which module is column- or row-parallel is data: the config's `base_model_tp_plan` (transformers' "colwise" /
 "rowwise" per module name pattern). A column-parallel layer keeps rows r*O/N .. (r+1)*O/N of its weight (its output
-features, so whole heads / MLP channels) and sees the whole input, copied to it by `_CopyToGroup` (identity forward,
+features, so whole heads / MLP channels) and sees the whole input, copied to it by `copy_to_group` (identity forward,
 all-reduce of the input gradient backward). A row-parallel layer keeps the matching input columns; its partial outputs
-are summed by `_ReduceFromGroup` (all-reduce forward, identity backward), and a bias is added once, after the sum.
+are summed by `reduce_from_group` (all-reduce forward, identity backward), and a bias is added once, after the sum.
 "replicated_with_grad_allreduce" modules (per-head norms) stay whole; their gradients are summed over the group.
 Fused column-parallel layers (FUSED, per model type: Phi-3's qkv_proj = [q; k; v], gate_up_proj = [gate; up]) keep
 this rank's slice of each part, in order, so the module's own split of its output by the local head counts yields
@@ -36,7 +41,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from bpt.mesh import mesh_groups, mesh_ranks, tensor_parallel_group
+from bpt.tensor_parallel import (MARKS, clip_grad_norm_, copy_to_group, gather_param, gathered_state_dict,
+                                 reduce_from_group, reduce_tensor_parallel_gradients, row_ranges, slice_like, take_rows)
+
+__all__ = ["tensor_parallel", "check_tensor_parallel", "tp_plan", "plan_modules", "fused_parts", "TensorParallelHandle",
+           "FUSED", "STYLES", "REPLICATED",
+           # from bpt.mesh and bpt.tensor_parallel, importable here as documented before they moved
+           "tensor_parallel_group", "mesh_groups", "mesh_ranks", "reduce_tensor_parallel_gradients", "clip_grad_norm_",
+           "gathered_state_dict", "gather_param", "slice_like", "MARKS"]
 
 STYLES = ("colwise", "rowwise")
 # Modules left whole on every rank whose weight gradient is a per-rank share (Qwen3's q_norm / k_norm, applied to
@@ -63,78 +77,6 @@ PART_ROWS = {  # a part's rows (output features of the whole layer), from the co
     "gate": lambda c: c.intermediate_size,
     "up": lambda c: c.intermediate_size,
 }
-
-
-class _CopyToGroup(torch.autograd.Function):
-    """Identity forward; backward: the input gradient summed over the group (each rank's layers used the input)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromGroup(torch.autograd.Function):
-    """Forward: the partial outputs summed over the group; identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def mesh_ranks(world: int, sp: int, tp: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """The (dp, sp, tp) layout's groups, as rank lists in the order every rank creates them: (sequence-parallel
-    groups, tensor-parallel groups, same-slices groups). rank = (dp_index * sp + sp_index) * tp + tp_index: a
-    tensor-parallel group is tp consecutive ranks (they hold the same tokens), a sequence-parallel group the sp ranks
-    of one data group with the same tp_index (strided by tp), a same-slices group every rank with that tp_index."""
-    if sp < 1 or tp < 1 or world % (sp * tp):
-        raise ValueError(f"sp {sp} x tp {tp} must divide the {world} processes")
-    dp = world // (sp * tp)
-    sp_groups = [[(d * sp + s) * tp + t for s in range(sp)] for d in range(dp) for t in range(tp)]
-    tp_groups = [list(range(first, first + tp)) for first in range(0, world, tp)]
-    slice_groups = [list(range(t, world, tp)) for t in range(tp)]  # the same tp_index across sp and dp
-    return sp_groups, tp_groups, slice_groups
-
-
-def mesh_groups(sp: int, tp: int):
-    """This rank's (sequence-parallel group, tensor-parallel group, same-slices group) in the (dp, sp, tp) layout of
-    `mesh_ranks`; None for an axis of size 1 (the same-slices group too when tp is 1). Every rank must call it
-    (every rank creates every group, the sp groups first)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    sp_groups, tp_groups, slice_groups = mesh_ranks(world, sp, tp)
-
-    def mine(rank_lists):
-        found = None
-        for ranks in rank_lists:
-            created = dist.new_group(ranks)
-            if rank in ranks:
-                found = created
-        return found
-
-    sp_group = mine(sp_groups) if sp > 1 else None
-    tp_group, slice_group = (mine(tp_groups), mine(slice_groups)) if tp > 1 else (None, None)
-    return sp_group, tp_group, slice_group
-
-
-def tensor_parallel_group(size: int):
-    """This rank's tensor-parallel group: the world split into groups of `size` consecutive ranks (tp innermost), and
-    its data-parallel group (the ranks holding the same slices: rank % size equal). Every rank must call it (every
-    rank creates every group). Returns (tp_group, dp_group); with --sequence_parallel as well: `mesh_groups`."""
-    if size < 2:
-        raise ValueError(f"tensor-parallel groups need at least 2 ranks, got {size}")
-    return mesh_groups(1, size)[1:]
 
 
 # ---------------------------------------------------------------- the plan: which modules, which way
@@ -178,22 +120,6 @@ def fused_parts(config, module_name: str) -> list[int] | None:
     """The rows of each part of a fused column-parallel layer (FUSED), or None for a plain layer."""
     parts = FUSED.get(getattr(config, "model_type", None), {}).get(module_name.rsplit(".", 1)[-1])
     return None if parts is None else [PART_ROWS[part](config) for part in parts]
-
-
-def _row_ranges(out_features: int, parts: list[int] | None, rank: int, size: int) -> list[tuple[int, int]]:
-    """This rank's (start, stop) rows of a column-parallel weight: its slice of each part, in order."""
-    parts = parts or [out_features]
-    if sum(parts) != out_features or any(p % size for p in parts):
-        raise ValueError(f"{size} tensor-parallel ranks cannot split parts {parts} of {out_features} rows")
-    ranges, offset = [], 0
-    for rows in parts:
-        ranges.append((offset + rank * rows // size, offset + (rank + 1) * rows // size))
-        offset += rows
-    return ranges
-
-
-def _take_rows(tensor: torch.Tensor, ranges) -> torch.Tensor:
-    return torch.cat([tensor[start:stop] for start, stop in ranges]).contiguous()
 
 
 def _base(module):
@@ -258,7 +184,7 @@ def _slice_4bit(layer, style: str, rank: int, size: int, parts=None) -> None:
     storage = weight.data.dtype  # uint8, or a float dtype holding the same bytes (FSDP: train.model)
     packed = weight.data.reshape(-1).view(torch.uint8)  # two weights a byte
     if style == "colwise":
-        ranges = _row_ranges(out_features, parts, rank, size)
+        ranges = row_ranges(out_features, parts, rank, size)
         if any(start * in_features % block or stop * in_features % block for start, stop in ranges):
             raise ValueError(f"a {ranges} row slice of a {out_features}x{in_features} 4-bit weight cuts its blocks")
         packed = torch.cat([packed[a * in_features // 2:b * in_features // 2] for a, b in ranges])
@@ -289,11 +215,11 @@ def _slice_base(layer, style: str, rank: int, size: int, parts=None):
     if not (_is_4bit(layer) or isinstance(layer, torch.nn.Linear)):
         raise ValueError(f"tensor parallelism slices Linear / bitsandbytes Linear4bit layers, not "
                          f"{type(layer).__name__}")
-    ranges = _row_ranges(layer.out_features, parts, rank, size) if style == "colwise" else None
+    ranges = row_ranges(layer.out_features, parts, rank, size) if style == "colwise" else None
     if _is_4bit(layer):
         _slice_4bit(layer, style, rank, size, parts)
     else:
-        weight = _take_rows(layer.weight.data, ranges) if style == "colwise" else \
+        weight = take_rows(layer.weight.data, ranges) if style == "colwise" else \
             layer.weight.data.chunk(size, dim=1)[rank].contiguous()
         layer.weight = torch.nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
         layer.out_features, layer.in_features = weight.shape
@@ -301,7 +227,7 @@ def _slice_base(layer, style: str, rank: int, size: int, parts=None):
     if bias is None:
         return None
     if style == "colwise":
-        layer.bias = torch.nn.Parameter(_take_rows(bias.data, ranges), requires_grad=bias.requires_grad)
+        layer.bias = torch.nn.Parameter(take_rows(bias.data, ranges), requires_grad=bias.requires_grad)
         return None
     layer.bias = None
     return bias
@@ -317,7 +243,7 @@ def _slice_lora(module, style: str, rank: int, size: int, group, parts=None) -> 
         a, b = module.lora_A[adapter], module.lora_B[adapter]
         cut, keep = (b, a) if style == "colwise" else (a, b)
         dim = 0 if style == "colwise" else 1
-        piece = _take_rows(cut.weight.data, _row_ranges(cut.weight.shape[0], parts, rank, size)) \
+        piece = take_rows(cut.weight.data, row_ranges(cut.weight.shape[0], parts, rank, size)) \
             if style == "colwise" else cut.weight.data.chunk(size, dim=dim)[rank].contiguous()
         cut.weight = torch.nn.Parameter(piece, requires_grad=cut.weight.requires_grad)
         cut.weight.tp_dim, cut.weight.tp_group = dim, group
@@ -374,10 +300,10 @@ def tensor_parallel(model, group=None) -> TensorParallelHandle:
             fused.add(name.rsplit(".", 1)[0])
         if style == "colwise":
             handle.hooks.append(module.register_forward_pre_hook(
-                lambda m, args, g=group: (_CopyToGroup.apply(args[0], g), *args[1:])))
+                lambda m, args, g=group: (copy_to_group(args[0], g), *args[1:])))
         else:
             handle.hooks.append(module.register_forward_hook(
-                lambda m, args, out, g=group, b=bias: _ReduceFromGroup.apply(out, g) + (0 if b is None else b)))
+                lambda m, args, out, g=group, b=bias: reduce_from_group(out, g) + (0 if b is None else b)))
         handle.modules.append(name)
         attention.add(name.rsplit(".", 1)[0])
     for name, module in model.named_modules():  # attention modules that record their head counts: local counts
@@ -409,97 +335,3 @@ class _LocalHeads:
 
     def __setattr__(self, name, value):
         setattr(object.__getattribute__(self, "_tp_owner").config, name, value)
-
-
-# ---------------------------------------------------------------- training: gradients, norm, state
-
-# What tensor_parallel marks on the parameters it slices (tp_dim, tp_group, tp_parts) or leaves whole with partial
-# gradients (tp_partial): FSDP2 replaces the parameters by its shards, which get the same marks (train.fsdp).
-MARKS = ("tp_dim", "tp_group", "tp_parts", "tp_partial")
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: an FSDP2 shard (DTensor) as a plain tensor sharing its storage."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def reduce_tensor_parallel_gradients(model, group=None, data_group=None) -> None:
-    """Sum the replicated LoRA factors' gradients over the tensor-parallel `group`; then, with `data_group`, every
-    trainable gradient over the data-parallel group (in place of DDP, which would mix the ranks' slices). Under FSDP2
-    (gradients already reduced over the ranks holding the same slices: no `data_group`) each rank sums its shard of
-    them: the ranks of a tensor-parallel group hold the same shard of a whole factor."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    _all_reduce([_local(p.grad) for p in params if getattr(p, "tp_partial", False)], group)
-    if data_group is not None and dist.get_world_size(data_group) > 1:
-        _all_reduce([p.grad for p in params], data_group)
-
-
-def _all_reduce(grads: list[torch.Tensor], group) -> None:
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for a tensor-parallel model: the 2-norm of the whole gradient (the sliced
-    parameters' squares summed over `group`, the whole ones counted once). Gradients sharded by FSDP2 (DTensors) add
-    their shards' squares over the shard group first. Returns that norm."""
-    params = [p for p in parameters if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    sharded, plain = torch.zeros(2, device=device), torch.zeros(2, device=device)  # squares of [sliced, whole]
-    mesh = None
-    for p in params:
-        squares = plain
-        if isinstance(p.grad, DTensor):
-            mesh, squares = p.grad.device_mesh, sharded
-        squares[0 if hasattr(p, "tp_dim") else 1] += _local(p.grad).float().pow(2).sum()
-    if mesh is not None:
-        dist.all_reduce(sharded, group=mesh.get_group())
-    sliced, whole = (sharded + plain).unbind()
-    sliced = sliced.clone()
-    dist.all_reduce(sliced, group=group)
-    norm = (sliced + whole).sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        _local(p.grad).mul_(scale.to(p.grad.dtype))
-    return norm
-
-
-def gather_param(tensor: torch.Tensor, dim: int, group=None, parts: list[int] | None = None) -> torch.Tensor:
-    """The whole tensor from every rank's slice along `dim` (a collective); a fused layer's rows (`parts`, the
-    param's tp_parts): each part's slices in rank order, part after part."""
-    size = dist.get_world_size(group)
-    pieces = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(pieces, tensor.contiguous(), group=group)
-    if parts is None:
-        return torch.cat(pieces, dim=dim)
-    split = [piece.split([rows // size for rows in parts]) for piece in pieces]
-    return torch.cat([split[r][i] for i in range(len(parts)) for r in range(size)])
-
-
-def slice_like(whole: torch.Tensor, param, rank: int, size: int) -> torch.Tensor:
-    """This rank's slice of `whole` (a tensor of the sliced `param`'s unsliced shape), as tensor_parallel sliced it."""
-    if param.tp_dim == 0:
-        return _take_rows(whole, _row_ranges(whole.shape[0], getattr(param, "tp_parts", None), rank, size))
-    return whole.chunk(size, dim=param.tp_dim)[rank].contiguous()
-
-
-def gathered_state_dict(model, group=None, *, keep: bool = True) -> dict[str, torch.Tensor]:
-    """{name: whole tensor on CPU} of the trainable parameters (sliced ones gathered over `group`, by default the
-    group each was sliced over); every rank of the group must call it; the ranks where `keep` is false get {}."""
-    state = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            whole = gather_param(p.detach(), p.tp_dim, group or p.tp_group, getattr(p, "tp_parts", None)) \
-                if hasattr(p, "tp_dim") else p.detach()
-            if keep:
-                state[name] = whole.cpu()
-    return state

@@ -122,7 +122,7 @@ def test_two_processes_split_phi3_fused_layers_and_match_one_process(tiny, tmp_p
 def test_the_layout_puts_tensor_parallel_innermost():
     """rank = (dp_index * sp + sp_index) * tp + tp_index; with tp = 1 the SP groups are the consecutive ones
     patches.sequence_parallel.sequence_parallel_group makes, with sp = 1 the groups tensor_parallel_group makes."""
-    from patches.tensor_parallel import mesh_ranks
+    from bpt.mesh import mesh_ranks
 
     sp, tp, same = mesh_ranks(8, 2, 2)  # dp 2
     assert sp == [[0, 2], [1, 3], [4, 6], [5, 7]]

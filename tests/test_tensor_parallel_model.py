@@ -92,8 +92,9 @@ def _weights(model) -> dict:
 def _on_rank(path, rank, world):
     import torch.distributed as dist
 
-    from patches.tensor_parallel import (clip_grad_norm_, gather_param, gathered_state_dict,
-                                         reduce_tensor_parallel_gradients, slice_like, tensor_parallel)
+    from bpt.tensor_parallel import (clip_grad_norm_, gather_param, gathered_state_dict,
+                                     reduce_tensor_parallel_gradients, slice_like)
+    from patches.tensor_parallel import tensor_parallel
 
     out = {}
     for case, (bits, bpt) in CASES.items():
@@ -247,7 +248,8 @@ def test_4bit_slices_are_the_same_bytes_in_any_storage(storage):
     import bitsandbytes as bnb
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
-    from patches.tensor_parallel import _row_ranges, _slice_4bit
+    from bpt.tensor_parallel import row_ranges
+    from patches.tensor_parallel import _slice_4bit
 
     weight = torch.randn(192, 128, generator=torch.Generator().manual_seed(0))
     packed, state = quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4",
@@ -260,7 +262,7 @@ def test_4bit_slices_are_the_same_bytes_in_any_storage(storage):
                                              compress_statistics=True, quant_type="nf4", quant_storage=storage,
                                              module=layer, bnb_quantized=True)
             _slice_4bit(layer, style, rank, 2, parts)
-            expected = torch.cat([whole[a:b] for a, b in _row_ranges(192, parts, rank, 2)]) if style == "colwise" \
+            expected = torch.cat([whole[a:b] for a, b in row_ranges(192, parts, rank, 2)]) if style == "colwise" \
                 else whole[:, rank * 64:(rank + 1) * 64]
             assert layer.weight.dtype == storage
             assert torch.equal(dequantize_4bit(layer.weight.data, layer.weight.quant_state), expected), (style, parts)

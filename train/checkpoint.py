@@ -202,7 +202,7 @@ def _gather_tensor_parallel_state(model, state: dict) -> dict:
     the tensor-parallel group. A copy: the dicts inside `state` are the optimizer's own."""
     from torch.distributed.tensor import DTensor
 
-    from patches.tensor_parallel import gather_param
+    from bpt.tensor_parallel import gather_param
 
     state = {**state, "state": {name: dict(entry) for name, entry in state["state"].items()}}
     for name, param in model.named_parameters():  # the same order on every rank: each gather is a collective
@@ -254,7 +254,7 @@ def _slice_tensor_parallel_state(model, state: dict) -> None:
     sliced (the inverse of _gather_tensor_parallel_state)."""
     import torch.distributed as dist
 
-    from patches.tensor_parallel import slice_like
+    from bpt.tensor_parallel import slice_like
 
     for name, param in model.named_parameters():
         if hasattr(param, "tp_dim"):

@@ -126,10 +126,10 @@ def shard_model(model, cpu_offload: bool = False, group=None) -> None:
     in place, over `group` (default: every process); cpu_offload: the shards, their gradients (and so the optimizer
     step) live in host memory, pinned where CUDA is (pinning needs it). Raises ValueError for 4-bit data in uint8
     storage. Under tensor parallelism `group` is the ranks holding the same slices: each shards its own slices, and
-    the shards keep the slices' marks (patches.tensor_parallel.MARKS)."""
+    the shards keep the slices' marks (bpt.tensor_parallel.MARKS)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    from patches.tensor_parallel import MARKS
+    from bpt.tensor_parallel import MARKS
 
     check_storage(model)
     mesh = None
@@ -172,7 +172,7 @@ def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
     slices (patches.tensor_parallel) alike."""
     from torch.distributed.tensor import DTensor
 
-    from patches.tensor_parallel import gather_param
+    from bpt.tensor_parallel import gather_param
 
     state = {}
     for name, param in model.named_parameters():

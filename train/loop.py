@@ -165,7 +165,7 @@ def accumulate(model, group: list[dict], accelerator, layout: Layout) -> tuple[f
                 accelerator.backward(loss * averaged_over)
         total += loss.detach().float()
     if tensor_parallel > 1:
-        from patches.tensor_parallel import reduce_tensor_parallel_gradients
+        from bpt.tensor_parallel import reduce_tensor_parallel_gradients
 
         reduce_tensor_parallel_gradients(model, layout.tp_group, None if layout.fsdp else layout.tp_data_group)
     # Every rank of a TP group computed the same loss (share): count it once; the SP ranks' shares sum.
@@ -185,7 +185,7 @@ def train_step(model, group: list[dict], optimizer, scheduler, accelerator, args
         grad_norm = deepspeed.step(model, args)
     else:
         if args.max_grad_norm > 0 and layout.tensor_parallel > 1:  # the sliced parameters' squares summed over TP
-            from patches.tensor_parallel import clip_grad_norm_
+            from bpt.tensor_parallel import clip_grad_norm_
 
             grad_norm = float(clip_grad_norm_(model.parameters(), args.max_grad_norm, layout.tp_group))
         elif args.max_grad_norm > 0:

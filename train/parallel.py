@@ -1,7 +1,7 @@
 """How the processes of a run share the work: one (dp, sp, tp) layout. Data parallel over groups of SP x TP
 processes; each group reads the same rows (data rank g of W / (SP x TP)), splits its sequences SP ways
 (`--sequence_parallel`, patches.sequence_parallel; ring or Ulysses attention) and every layer TP ways
-(`--tensor_parallel`, patches.tensor_parallel).
+(`--tensor_parallel`, patches.tensor_parallel). The grid and its groups are bpt.mesh's.
 
 rank = (dp_index * SP + sp_index) * TP + tp_index (tp innermost): a tensor-parallel group is TP consecutive ranks
 (they hold the same tokens: the same sequence shard); a sequence-parallel group is the SP ranks of one data group with
@@ -111,7 +111,7 @@ def make_layout(world: int, rank: int, args) -> Layout:
     check_mesh(args, world)
     group = tp_group = tp_data_group = None
     if n > 1 or tp > 1:
-        from patches.tensor_parallel import mesh_groups
+        from bpt.mesh import mesh_groups
 
         group, tp_group, tp_data_group = mesh_groups(n, tp)
     return Layout(world=world, rank=rank, sequence_parallel=n, mode=args.sp_mode, group=group,

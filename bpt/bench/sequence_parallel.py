@@ -85,7 +85,7 @@ def theory_bytes(mode: str, *, world: int, rank: int, seq_len: int, batch: int, 
 
 def run_sp_group(spec: dict) -> dict:
     """Rank side of one group: every (seq_len, mode) of the spec -> {"ok", "runs": [per-run rank result]}."""
-    from patches.tensor_parallel import mesh_groups
+    from bpt.mesh import mesh_groups
 
     rank, world, device = spec["rank"], spec["world"], spec["device"]
     tp = spec.get("tensor_parallel", 1)
@@ -111,8 +111,8 @@ def run_sp_group(spec: dict) -> dict:
 
 def _run_one(spec: dict, model, mode: str, seq_len: int, groups: tuple) -> dict:
     """One warm-up and spec["steps"] measured steps of one (mode, seq_len) on this rank."""
+    from bpt.tensor_parallel import reduce_tensor_parallel_gradients
     from patches import group_loss, reduce_gradients, sequence_parallel_attention as sequence_parallel, shard_batch
-    from patches.tensor_parallel import reduce_tensor_parallel_gradients
 
     sp_group, tp_group, same_slices = groups
     tp = spec.get("tensor_parallel", 1)
