@@ -119,15 +119,6 @@ def test_train_imports_run_one_way():
     assert "qlora" not in set().union(*graph.values()) and "eval" not in set().union(*graph.values())  # CLIs on top
 
 
-def test_no_train_source_file_over_450_lines():
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    long = {str(p.relative_to(root)): n for p in (root / "train").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 450}
-    assert not long, long
-
-
 def test_block_size_flags_reach_the_patch():
     from tiny_models import tiny_model
     from train.model import patch
