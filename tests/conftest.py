@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import signal
 import sys
 
 import pytest
@@ -28,6 +29,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in PROCESS_MODULES:
             item.add_marker(pytest.mark.xdist_group("processes"))
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_restored():
+    """SIGINT / SIGTERM as they were before each test. train.qlora's main() run in-process as one rank of a launch
+    (WORLD_SIZE > 1, refused before any process group) leaves them ignored, as a worker on its way out should
+    (lifecycle.leave); left so, every later process this pytest worker starts would inherit the ignore and a test
+    signalling it would wait for nothing."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing softly".split()
 

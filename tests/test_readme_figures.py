@@ -45,7 +45,8 @@ def test_the_committed_default_run_is_what_this_checkout_prints(tmp_path):
     out = tmp_path / "run"
     log = open(tmp_path / "log", "w")
     run = subprocess.Popen([sys.executable, "-m", "train.qlora", "--output_dir", str(out)], cwd=REPO, env=ENV,
-                           stdout=log, stderr=subprocess.STDOUT)
+                           stdout=log, stderr=subprocess.STDOUT,  # SIGTERM as a shell's child gets it, never ignored
+                           preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
     metrics = out / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 900
