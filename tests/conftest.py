@@ -5,7 +5,12 @@ import signal
 import sys
 
 import pytest
+import setuptools  # noqa: F401  before anything imports distutils: see below
 import torch
+
+# setuptools first: a library that imports the standard library's distutils before setuptools is imported makes
+# setuptools' distutils shim refuse later (AssertionError naming distutils/core.py), which in one suite run broke
+# inductor's C++ build in the worker that had imported it (test_kernel_compiled_under_autocast_equals_eager).
 
 # tests share tiny model builders (tests/tiny_models.py); keep CPU threads modest on small CI machines
 sys.path.insert(0, os.path.dirname(__file__))
