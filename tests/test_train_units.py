@@ -79,46 +79,6 @@ def test_rope_scaling_is_written_the_transformers_5_way(kind, extra):
     config.validate_rope()
 
 
-def _train_imports() -> dict[str, set[str]]:
-    """train module -> the train modules it imports (at module level or inside functions)."""
-    import ast
-    from pathlib import Path
-
-    package = Path(__file__).resolve().parent.parent / "train"
-    graph = {}
-    for path in package.glob("*.py"):
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "train":
-                names = [node.module] if node.module != "train" else [f"train.{a.name}" for a in node.names]
-                found.update(name.split(".")[1] for name in names if "." in name)
-            elif isinstance(node, ast.Import):
-                found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("train."))
-        graph[path.stem] = found - {path.stem}
-    return graph
-
-
-def test_train_imports_run_one_way():
-    graph = _train_imports()
-    assert {"qlora", "loop", "run_dir", "metrics", "eval"} <= graph.keys()
-    done, active = set(), []
-
-    def visit(module):
-        if module in active:
-            raise AssertionError(f"import circle: {' -> '.join(active[active.index(module):] + [module])}")
-        if module in done:
-            return
-        active.append(module)
-        for imported in graph.get(module, ()):
-            visit(imported)
-        active.pop()
-        done.add(module)
-
-    for module in graph:
-        visit(module)
-    assert "qlora" not in set().union(*graph.values()) and "eval" not in set().union(*graph.values())  # CLIs on top
-
-
 def test_block_size_flags_reach_the_patch():
     from tiny_models import tiny_model
     from train.model import patch
