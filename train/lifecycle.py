@@ -236,12 +236,17 @@ def _machine_peers() -> list[int]:
     return peers
 
 
-def _running(pid: int) -> bool:
+def process_alive(pid: int) -> bool | None:
+    """True while the process runs; False once it has exited, a zombie its parent has not reaped yet included
+    (Linux's /proc says Z); None when this process cannot tell (not ours to signal, no /proc)."""
     try:
+        os.kill(pid, 0)
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # exited but not yet reaped: a zombie
-    except OSError:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except ProcessLookupError:
         return False
+    except (OSError, IndexError):
+        return None
 
 
 def _wait_until(done, timeout_s: float) -> bool:
@@ -264,9 +269,9 @@ def _launcher_status(code: int) -> int:
         return code
     peers = _machine_peers()
     if os.environ["LOCAL_RANK"] != "0":  # (no peer left running: the first died without a word)
-        _wait_until(lambda: os.path.exists(first) or not any(_running(pid) for pid in peers), PEER_WAIT_S)
+        _wait_until(lambda: os.path.exists(first) or not any(process_alive(pid) for pid in peers), PEER_WAIT_S)
         return 0 if os.path.exists(first) else code
-    _wait_until(lambda: not any(_running(pid) for pid in peers), PEER_WAIT_S)
+    _wait_until(lambda: not any(process_alive(pid) for pid in peers), PEER_WAIT_S)
     return code
 
 

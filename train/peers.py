@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from train.lifecycle import SIGNALS
+from train.lifecycle import SIGNALS, process_alive
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words for it
 PEER_EXIT_S = 3.0  # how long a peer whose connection closed may take to be seen gone
@@ -34,18 +34,6 @@ def roster(accelerator) -> list[tuple[str, int]]:
     return gather_object([(socket.gethostname(), os.getpid())]) if accelerator.num_processes > 1 else []
 
 
-def _gone(pid: int) -> bool:
-    """The process has exited, or is a zombie its launcher has not reaped yet (Linux's /proc says Z)."""
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except ProcessLookupError:
-        return True
-    except (OSError, IndexError):  # not ours to signal, or no /proc: alive as far as we can tell
-        return False
-
-
 def peer_lost(error: Exception, peers: list, accelerator, step: int, steps: int,
               last_checkpoint: str | None) -> PeerLost | None:
     """PeerLost when `error` (raised by a collective) means a process of the run is gone, else None. The dead rank is
@@ -57,7 +45,8 @@ def peer_lost(error: Exception, peers: list, accelerator, step: int, steps: int,
     looks_lost = isinstance(error, torch.distributed.DistError) or any(words in str(error) for words in PEER_LOSS)
     host, deadline = socket.gethostname(), time.monotonic() + (PEER_EXIT_S if looks_lost else 0)
     while True:
-        gone = [r for r, (where, pid) in enumerate(peers) if r != rank and where == host and _gone(pid)]
+        gone = [r for r, (where, pid) in enumerate(peers)
+                if r != rank and where == host and process_alive(pid) is False]
         if gone or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
