@@ -143,7 +143,8 @@ def qlora_block() -> str:
 
 
 # How the GPU check's tables name a side (side, bits).
-GPU_SIDES = {("stock", 16): "stock", ("patched", 16): "patched", ("liger", 16): "Liger-Kernel"}
+GPU_SIDES = {("stock", 16): "stock", ("patched", 16): "patched", ("patched+offload", 16): "patched+offload",
+             ("liger", 16): "Liger-Kernel"}
 
 
 def gpu_rows(part: str) -> dict:
@@ -234,6 +235,9 @@ def stated_simulated() -> list[str]:
 def stated_gpu() -> list[str]:
     check = bench("gpu_check-h100-80gb")
     env, versions, tier = check["environment"], check["environment"]["versions"], check["cuda_tier"]
+    clock = check["clock"]
+    rows = {r["rows"]: r["flops_per_second"] for r in clock["matmul_by_rows"]}
+    attention = [a["forward_backward_flops_per_second"] for a in clock["attention"]]
     memory = [r for cells in gpu_rows("memory").values() for r in cells.values()]
     extra = {(r["side"], r["bits"], r["seq_len"]): r["measured_bytes"] - r["simulated_bytes"] for r in memory}
     over = [r["measured_bytes"] / r["simulated_bytes"] - 1 for r in memory]
@@ -244,11 +248,6 @@ def stated_gpu() -> list[str]:
     speed = {side: cells for (side, bits), cells in gpu_rows("speed").items() if bits == 16}
     step = {(side, n): r["seconds_per_step"] for side, cells in speed.items() for n, r in cells.items()}
     peak = {(r["side"], r["seq_len"]): r["measured_bytes"] for r in memory if r["bits"] == 16}
-    measured = by_side("llama-3.2-1b-offload-h100-measured")
-    lengths = sorted({n for _, n in measured})
-
-    def pair(key: str, n: int, digits: int, scale: float = 1) -> str:  # patched / patched+offload
-        return " / ".join(f"{measured[side, n][key] / scale:.{digits}f}" for side in ("patched", "patched+offload"))
     return [f"on one {env['gpu']} (driver {env['driver']}, CUDA {env['torch_cuda']}, torch {versions['torch']}, "
             f"transformers {versions['transformers']}, peft {versions['peft']}, bitsandbytes "
             f"{versions['bitsandbytes']}, liger-kernel {versions['liger-kernel']};",
@@ -258,14 +257,28 @@ def stated_gpu() -> list[str]:
             f"took {gib(env['memory_bytes'] - env['free_bytes_at_start'])} GiB more",
             f"one H100 used ~{gib(reserve_used)} GiB of it",
             f"~{gib(reserve_used)} GiB of it measured on one H100",
-            f"At 8K the patched step is {step['patched', 8192] / step['stock', 8192]:.1f}x stock's and "
-            f"{step['patched', 8192] / step['liger', 8192]:.1f}x Liger's",
-            f"at 32K it is within {math.ceil(100 * (step['patched', 32768] / step['stock', 32768] - 1))}% of stock, "
-            f"with {peak['stock', 32768] / peak['patched', 32768]:.1f}x less memory",
-            "patched / patched+offload " + ", ".join(f"{pair('median_s', n, 3)} s at {k(n)}" for n in lengths)
-            + ", peaks " + " and ".join(f"{pair('peak_mib', n, 2, 1024)} GiB" for n in lengths),
+            f"At 8K the patched step takes {step['patched', 8192] / step['stock', 8192]:.2f}x stock's time and "
+            f"{step['patched', 8192] / step['liger', 8192]:.2f}x Liger's",
+            f"at 32K {step['patched', 32768] / step['stock', 32768]:.2f}x stock's, with "
+            f"{peak['stock', 32768] / peak['patched', 32768]:.1f}x less memory",
+            f"patched+offload {step['patched+offload', 8192]:.3f} s at 8K",
+            *(f"{side}: {p['kernel_launches']:,} kernels ({p['aten_calls']:,} aten calls), "
+              f"{p['kernel_seconds']:.3f} s of kernel time, the GPU busy {p['kernel_seconds'] / step[side, 8192]:.0%}"
+              for side, p in profiles(8192).items()),
+            f"{clock['dispatch']['host_seconds_per_op'] * 1e6:.1f} us of host time per small op",
+            f"bf16 matmul {clock['matmul']['bfloat16'] / 1e12:.0f} TFLOP/s at 8192^3, "
+            f"{rows[256] / 1e12:.0f} TFLOP/s for 256 rows of the 8B MLP's shape and {rows[2048] / 1e12:.0f} for 2048, "
+            f"copies {clock['copy_bytes_per_second'] / 1e9:,.0f} GB/s, causal grouped SDPA "
+            f"{min(attention) / 1e12:.0f}-{max(attention) / 1e12:.0f} TFLOP/s forward+backward, pinned host link "
+            f"{clock['host_link']['host_to_device_pinned'] / 1e9:.0f} GB/s each way",
             f"of the CUDA tier {tier['passed'] + tier['failed'] + tier['skipped'] + tier['errors']} of its tests ran "
             f"({tier['passed']} passed;"]
+
+
+def profiles(seq_len: int) -> dict:
+    """The GPU check's profiled 16-bit steps at a length, by side."""
+    return {r["side"]: r["profile"] for r in bench("gpu_check-h100-80gb")["speed"]
+            if r["seq_len"] == seq_len and r["bits"] == 16 and "kernel_launches" in (r.get("profile") or {})}
 
 
 def stated_sequence_parallel() -> list[str]:

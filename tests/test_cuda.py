@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import bpt.attention as attention_module
 from bpt.attention import blockwise_attention
-from test_mixed_precision import assert_no_worse_than_stock, low_precision_errors
+from test_mixed_precision import WORSE_AT_MOST, assert_no_worse_than_stock, low_precision_errors
 
 pytestmark = [
     pytest.mark.cuda,
@@ -79,9 +79,13 @@ def test_blockwise_compiled_bf16_no_worse_than_stock():
     compiled = _out_and_grads(blockwise, q, k, v, padding)
     eager = _out_and_grads(lambda *a: blockwise(*a, compile=False), q, k, v, padding)
     reference = _out_and_grads(stock, q, k, v, padding)
-    for c, e, s, x in zip(compiled, eager, reference, exact):
-        torch.testing.assert_close(c, e, rtol=1e-3, atol=1e-3)
-        assert (c - x).norm() <= 1.5 * (s - x).norm()
+    # compiled and eager round differently (a bf16 ulp here and there, seen on an H100): each against the fp64
+    # reference, no worse than stock's kernel is
+    for name, c, e, s, x in zip(("out", "dq", "dk", "dv"), compiled, eager, reference, exact):
+        stock_error = (s - x).norm()
+        for label, ours in (("compiled", c), ("eager", e)):
+            assert (ours - x).norm() <= WORSE_AT_MOST * stock_error, \
+                f"{name}: {label} error {(ours - x).norm():.3e}, stock's {stock_error:.3e}"
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "falcon_alibi", "mistral"])

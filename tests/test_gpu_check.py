@@ -30,7 +30,8 @@ def dry_run(tmp_path_factory):
 
 def test_dry_run_has_every_part(dry_run):
     report, table, seconds = dry_run
-    assert report["parts_done"] == ["environment", "memory", "speed", "cuda_tier", "max_context"]
+    assert report["parts_done"] == ["environment", "clock", "memory", "speed", "cuda_tier", "max_context"]
+    assert not report["clock"]["ok"] and "real device" in report["clock"]["error"]
     assert report["gpu_check"] == "simulated h100-80gb" and report["card"] == "h100-80gb"
     env = report["environment"]
     assert env["ok"] and env["gpu"] == "simulated h100-80gb" and env["versions"]["torch"] == torch.__version__
@@ -65,6 +66,41 @@ def test_dry_run_speed_rows_say_what_ran(dry_run):
     assert {r["seq_len"] for r in ran if r["side"] == "patched"} >= set(gpu_check.LONG_LENGTHS)
     peer = [r for r in rows if r["side"] == gpu_check.PEER]
     assert len(peer) == 4 and all(not r["ok"] and "Triton" in r["error"] for r in peer)
+
+
+def test_dry_run_profiles_one_step_per_side(dry_run):
+    """At the profiled length every side's step ran once more under torch.profiler: its aten calls counted (the
+    kernels too on a real GPU), a patched step making more calls than stock's (its chunk loops)."""
+    profiles = {(r["side"], r["bits"]): r["profile"] for r in dry_run[0]["speed"]
+                if r["seq_len"] in gpu_check.PROFILE_LENGTHS and r.get("profile")}
+    assert set(profiles) == {(s, 16) for s in gpu_check.MEMORY_SIDES} | {("patched", 4)}, profiles
+    for profile in profiles.values():
+        assert "error" not in profile, profile
+        assert profile["kernel_launches"] == 0 and profile["aten_calls"] > 0  # fake tensors launch nothing
+    assert profiles["patched", 16]["aten_calls"] > profiles["stock", 16]["aten_calls"]
+    assert "profile patched" in dry_run[1]
+
+
+def test_kernel_kinds():
+    from bpt.bench.cells import kernel_kind
+
+    assert kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "matmul"
+    assert kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"
+    assert kernel_kind("Memcpy DtoH (Device -> Pinned)") == "copies"
+    assert kernel_kind("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add>") == \
+        "memory_bound"
+
+
+def test_rates_on_this_cpu():
+    """The clock's microbenchmarks run (small sizes on a CPU) and give rates in a CPU's range."""
+    from bpt.bench.rates import measure_rates
+
+    rates = measure_rates("cpu")
+    assert 1e9 < rates["matmul"]["float32"] < 1e14 and 1e9 < rates["matmul"]["bfloat16"] < 1e14
+    assert 1e8 < rates["copy_bytes_per_second"] < 1e12
+    assert 1e-8 < rates["dispatch"]["host_seconds_per_op"] < 1e-3
+    assert all(a["forward_backward_seconds"] > a["forward_seconds"] > 0 for a in rates["attention"])
+    assert [r["rows"] for r in rates["matmul_by_rows"]] == sorted(r["rows"] for r in rates["matmul_by_rows"])
 
 
 def test_dry_run_cuda_tier_and_max_context(dry_run):

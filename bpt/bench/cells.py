@@ -136,6 +136,52 @@ def _timed(models: _Models, inputs: dict, count: int, real: bool, compile: bool 
             "timed_loss": float(loss)}
 
 
+# kernel name fragments -> the clock's categories (first match wins; the rest is memory-bound work)
+KERNEL_KINDS = (("copies", ("memcpy", "memset")),
+                ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+                ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "splitk")))
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in lowered for p in parts)), "memory_bound")
+
+
+def profiled_step(model, inputs: dict, real: bool, top: int = 12) -> dict:
+    """One more step under torch.profiler: kernels launched, GPU time by kind, the busiest kernels.
+
+    The clock's ground truth: launches per step beside the simulation's op count, and how much of the step's wall
+    time the GPU spends in kernels (the rest is launch-bound idle). The profiled wall time is inflated by the
+    profiler; compare kernel time with the unprofiled median."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if real else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        training_step(model, inputs, autocast=True)
+        if real:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    by_kind, by_name, count_by_kind = {}, {}, {}
+    for e in kernels:
+        us = e.time_range.elapsed_us()
+        kind = kernel_kind(e.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e6
+        count_by_kind[kind] = count_by_kind.get(kind, 0) + 1
+        seconds, calls = by_name.get(e.name, (0.0, 0))
+        by_name[e.name] = (seconds + us / 1e6, calls + 1)
+    aten = sum(1 for e in prof.events() if e.name.startswith("aten::") and not str(
+        getattr(e, "device_type", "")).endswith("CUDA"))
+    busiest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    model.zero_grad(set_to_none=True)
+    return {"profiled_wall_seconds": wall, "kernel_launches": len(kernels), "aten_calls": aten,
+            "kernel_seconds": sum(by_kind.values()), "kernel_seconds_by_kind": by_kind,
+            "kernels_by_kind": count_by_kind,
+            "busiest_kernels": [{"name": name[:160], "seconds": s, "calls": c} for name, (s, c) in busiest]}
+
+
 def _cell(models: _Models, spec: dict, seq_len: int, layers: int, real: bool) -> dict:
     model = models.get(layers)
     inputs = step_inputs(spec, models.sim.torch_device, real, seq_len)
@@ -148,6 +194,11 @@ def _cell(models: _Models, spec: dict, seq_len: int, layers: int, real: bool) ->
         row.update(tracked_step(model, inputs, models.sim, real, spec.get("top", 10)))
     if spec.get("timed_steps"):
         row.update(_timed(models, inputs, spec["timed_steps"], real, spec["bpt"].get("compile")))
+        if seq_len in spec.get("profile_lengths", ()):
+            try:  # the profile is an extra: its failure never costs the cell its figures
+                row["profile"] = profiled_step(model, inputs, real)
+            except Exception as error:
+                row["profile"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
     model.zero_grad(set_to_none=True)
     del inputs
     _release(real)

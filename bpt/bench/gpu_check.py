@@ -3,13 +3,16 @@
 Each part lands in DIR/gpu_check.json (the table in DIR/gpu_check.txt) as soon as it is done, so a run stopped at
 its time limit keeps what finished:
   a. environment: the card, driver, CUDA and the versions of the libraries the run used;
+  clock: the rates a step-time clock needs (bpt.bench.rates: matmul per dtype and by rows, copy bandwidth, the
+     cost of one kernel launch, SDPA forward/backward, host <-> device copies), ~20 s;
   b. memory: Llama-3.2-1B shapes (random weights), LoRA r 16 on every linear, bf16 autocast, checkpointing, 8K and
      32K tokens, stock / patched / patched+offload, and one 4-bit (bitsandbytes) patched row:
      torch.cuda.max_memory_allocated of one training step beside the simulated peak of the same step
      (--simulate's code path, run on the CPU cores beside the GPU work);
   c. speed: median seconds per step and tokens per second of the same cells (1 warm-up, 3 synchronised steps,
      the patch compiled as users get it), patched at 64K and 128K, and Liger-Kernel's patch on the same lengths
-     as the peer on the same card;
+     as the peer on the same card; at 8K one more step under torch.profiler: kernels launched and GPU time by
+     kind (matmul, attention, memory-bound, copies) against the step's wall time;
   d. the CUDA tier: `python -m pytest -m cuda` in the checkout, its counts and each failure's text
      (DIR/cuda_tier.log);
   e. the longest context that fits this card, patched and patched+offload: doubling from 64K, each length stepped
@@ -44,12 +47,13 @@ MEMORY_SIDES = ("stock", "patched", "patched+offload")
 FOUR_BIT_LENGTH = 8192
 LONG_LENGTHS = (65536, 131072)  # patched only: stock no longer fits there
 TIMED_STEPS = 3
+PROFILE_LENGTHS = [8192]  # one profiled step per side at this length (the clock's ground truth)
 MAX_CONTEXT_SIDES = ("patched", "patched+offload")
 MAX_CONTEXT_START = 65536
 FIND_MAX_RESOLUTION = 8192  # the simulation's bisection on the card, in tokens
 SIM_LAYERS = 2  # the simulated rows run 2 and 3 layers and extend the (linear) bytes to the depth
 # Seconds each part leaves for the parts after it, out of the check's budget.
-RESERVE_AFTER = {"memory": 300, "speed": 200, "cuda_tier": 50, "max_context": 5}
+RESERVE_AFTER = {"clock": 400, "memory": 300, "speed": 200, "cuda_tier": 50, "max_context": 5}
 CARDS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100-80gb"), ("L40S", "l40s-48gb"),
          ("4090", "rtx4090-24gb"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,7 +116,7 @@ class Check:
         self.report = {"gpu_check": "measured" if self.real else f"simulated {args.simulate}",
                        "started": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
                        "lora_r": LORA_R, "time_budget_s": args.time_budget, "parts_done": [],
-                       "environment": None, "memory": [], "speed": [], "cuda_tier": None, "max_context": None}
+                       "environment": None, "clock": None, "memory": [], "speed": [], "cuda_tier": None, "max_context": None}
         workers = max(1, min(8, (os.cpu_count() or 2) - 2))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
 
@@ -185,7 +189,7 @@ def _speed_row(side: str, bits: int, cell: dict, real: bool) -> dict:
            "seconds_per_step": cell.get("seconds_per_step"), "tokens_per_second": cell.get("tokens_per_second"),
            "steps": cell.get("timed_steps"), "step_seconds_each": cell.get("step_seconds_each"),
            "warmup_seconds": cell.get("warmup_seconds"), "peak_bytes": cell.get("timed_peak_bytes"),
-           "loss": cell.get("timed_loss")}
+           "loss": cell.get("timed_loss"), "profile": cell.get("profile")}
     if not cell["ok"]:
         row["error"] = cell["error"]
     return row
@@ -201,10 +205,21 @@ def part_environment(check: Check) -> None:
     check.save("environment")
 
 
+def part_clock(check: Check) -> None:
+    if check.real:
+        check.report["clock"] = check.runner({"task": "rates", "device": "cuda", "malloc": "default"},
+                                             max(30.0, check.left("clock")))
+    else:
+        check.report["clock"] = {"ok": False, "error": "not run: rates need a real device (python -m bpt.bench "
+                                                       "--rates cpu measures this CPU's)"}
+    check.save("clock")
+
+
 def part_memory(check: Check, sims: dict) -> None:
     groups = [(side, 16, MEMORY_LENGTHS) for side in MEMORY_SIDES] + [("patched", 4, (FOUR_BIT_LENGTH,))]
     for side, bits, lengths in groups:
-        for cell in check.cells(side, lengths, "memory", bits, tracked=True, timed_steps=TIMED_STEPS):
+        for cell in check.cells(side, lengths, "memory", bits, tracked=True, timed_steps=TIMED_STEPS,
+                                profile_lengths=PROFILE_LENGTHS):
             simulated = sims[side, cell["seq_len"], bits].result()
             check.report["memory"].append(_memory_row(side, bits, cell, simulated, check.real))
             check.report["speed"].append(_speed_row(side, bits, cell, check.real))
@@ -317,6 +332,7 @@ def run(args: argparse.Namespace, model_config: dict, runner) -> dict:
         sims = {(side, n, 16): check.simulated(side, n) for n in MEMORY_LENGTHS for side in MEMORY_SIDES}
         sims["patched", FOUR_BIT_LENGTH, 4] = check.simulated("patched", FOUR_BIT_LENGTH, 4)
         find_max = {side: check.pool.submit(simulated_find_max, check, side) for side in MAX_CONTEXT_SIDES}
+        part_clock(check)
         part_memory(check, sims)
         part_speed(check)
         part_cuda_tier(check)
@@ -362,6 +378,7 @@ def format_table(report: dict) -> str:
         else:
             figures = r["error"]
         lines.append(f"  {r['side']:15s} {r['bits']:>2d}-bit {r['seq_len']:>7d}  {figures}")
+    lines += _clock_lines(report)
     tier = report.get("cuda_tier")
     if tier:
         lines += ["", f"CUDA tier: {tier['passed']} passed, {tier['failed']} failed, {tier['skipped']} skipped, "
@@ -381,3 +398,40 @@ def format_table(report: dict) -> str:
                 lines.append(f"  {side:15s} longest {c['longest']} (stopped: {c['stopped']}); simulated --find_max "
                              f"{sim.get('longest', sim.get('error'))}")
     return "\n".join(lines)
+
+
+def _clock_lines(report: dict) -> list[str]:
+    """The rates and the profiled steps, in short."""
+    lines = []
+    clock = report.get("clock") or {}
+    if clock.get("ok"):
+        tf = {k: f"{v / 1e12:.0f}" for k, v in clock["matmul"].items()}
+        rows = ", ".join(f"{r['rows']}: {r['flops_per_second'] / 1e12:.0f}" for r in clock["matmul_by_rows"])
+        attn = ", ".join(f"{a['seq_len']}: {a['forward_flops_per_second'] / 1e12:.0f} / "
+                         f"{a['forward_backward_flops_per_second'] / 1e12:.0f}" for a in clock["attention"])
+        d = clock["dispatch"]
+        lines += ["", "clock rates (measured): matmul TFLOP/s " + ", ".join(f"{k} {v}" for k, v in tf.items()),
+                  f"  bf16 by rows (x 4096 x 14336) TFLOP/s: {rows}",
+                  f"  copy {clock['copy_bytes_per_second'] / 1e9:.0f} GB/s; launch {d['host_seconds_per_op'] * 1e6:.1f} "
+                  f"us host, {d['seconds_per_op_synced'] * 1e6:.1f} us synced",
+                  f"  SDPA causal GQA TFLOP/s fwd / fwd+bwd: {attn}"]
+        link = clock.get("host_link")
+        if link:
+            lines.append("  host link GB/s: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in link.items()))
+    elif clock:
+        lines += ["", f"clock rates: {clock.get('error')}"]
+    for r in report.get("speed", []):
+        p = r.get("profile")
+        if not p:
+            continue
+        if "error" in p:
+            lines.append(f"  profile {r['side']} {r['seq_len']}: {p['error']}")
+            continue
+        step = r.get("seconds_per_step")
+        kinds = ", ".join(f"{k} {v:.3f} s/{p['kernels_by_kind'].get(k, 0)}" for k, v in
+                          sorted(p["kernel_seconds_by_kind"].items()))
+        busy = f", GPU busy {p['kernel_seconds'] / step:.0%} of the {step:.3f} s step" if step else ""
+        lines.append(f"  profile {r['side']:15s} {r['bits']:>2d}-bit {r['seq_len']:>7d}: {p['kernel_launches']} "
+                     f"kernels, {p['aten_calls']} aten calls; kernel time {p['kernel_seconds']:.3f} s{busy} "
+                     f"({kinds})")
+    return lines

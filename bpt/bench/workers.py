@@ -45,8 +45,14 @@ def _environment(spec: dict) -> dict:
     return device_environment(spec)
 
 
+def _rates(spec: dict) -> dict:
+    from bpt.bench.rates import run_rates
+
+    return run_rates(spec)
+
+
 TASKS = {"probe": run_probe, "train": run_training, "sp_train": run_sp_group, "simulate": _simulate,
-         "cells": _cells, "environment": _environment}
+         "cells": _cells, "environment": _environment, "rates": _rates}
 
 
 def worker_command(spec_path: str, spec: dict) -> list[str]:
