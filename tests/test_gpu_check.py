@@ -93,7 +93,7 @@ def test_kernel_kinds():
 
 def test_rates_on_this_cpu():
     """The clock's microbenchmarks run (small sizes on a CPU) and give rates in a CPU's range."""
-    from bpt.bench.rates import measure_rates
+    from bpt.gpusim.rates import measure_rates
 
     rates = measure_rates("cpu")
     assert 1e9 < rates["matmul"]["float32"] < 1e14 and 1e9 < rates["matmul"]["bfloat16"] < 1e14

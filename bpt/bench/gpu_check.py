@@ -3,7 +3,7 @@
 Each part lands in DIR/gpu_check.json (the table in DIR/gpu_check.txt) as soon as it is done, so a run stopped at
 its time limit keeps what finished:
   a. environment: the card, driver, CUDA and the versions of the libraries the run used;
-  clock: the rates a step-time clock needs (bpt.bench.rates: matmul per dtype and by rows, copy bandwidth, the
+  clock: the rates a step-time clock needs (bpt.gpusim.rates: matmul per dtype and by rows, copy bandwidth, the
      cost of one kernel launch, SDPA forward/backward, host <-> device copies), ~20 s;
   b. memory: Llama-3.2-1B shapes (random weights), LoRA r 16 on every linear, bf16 autocast, checkpointing, 8K and
      32K tokens, stock / patched / patched+offload, and one 4-bit (bitsandbytes) patched row:
@@ -189,7 +189,9 @@ def _speed_row(side: str, bits: int, cell: dict, real: bool) -> dict:
            "seconds_per_step": cell.get("seconds_per_step"), "tokens_per_second": cell.get("tokens_per_second"),
            "steps": cell.get("timed_steps"), "step_seconds_each": cell.get("step_seconds_each"),
            "warmup_seconds": cell.get("warmup_seconds"), "peak_bytes": cell.get("timed_peak_bytes"),
-           "loss": cell.get("timed_loss"), "profile": cell.get("profile")}
+           "loss": cell.get("timed_loss"), "profile": cell.get("profile"),
+           # the clock's prediction of the tracked (eager) step: beside the measured one, what recalibrates it
+           "predicted_seconds": cell.get("step_seconds"), "predicted_kernel_launches": cell.get("kernel_launches")}
     if not cell["ok"]:
         row["error"] = cell["error"]
     return row
@@ -210,8 +212,8 @@ def part_clock(check: Check) -> None:
         check.report["clock"] = check.runner({"task": "rates", "device": "cuda", "malloc": "default"},
                                              max(30.0, check.left("clock")))
     else:
-        check.report["clock"] = {"ok": False, "error": "not run: rates need a real device (python -m bpt.bench "
-                                                       "--rates cpu measures this CPU's)"}
+        check.report["clock"] = {"ok": False, "error": "not run: rates need a real device (a CPU's are measured "
+                                                       "by bpt.gpusim.clock.cpu_rates on first use)"}
     check.save("clock")
 
 

@@ -170,10 +170,13 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10) -> dict:
     torch.cuda's own peak beside them on a real GPU, inside `sim`'s device rules (entered by the caller)."""
     from bpt.gpusim.tracker import AllocationTracker, flash_backward_workspace
 
+    from bpt.gpusim.clock import StepClock, rates_for
+
     gpu = sim.device
+    clock = StepClock(rates_for(gpu.name))
     with contextlib.ExitStack() as stack:
         stack.enter_context(counting_blockwise_calls(sim.attention_paths))
-        tracker = AllocationTracker(top=top, workspace=flash_backward_workspace, host_apart=gpu.is_cuda)
+        tracker = AllocationTracker(top=top, workspace=flash_backward_workspace, host_apart=gpu.is_cuda, clock=clock)
         stack.enter_context(tracker)
         tracker.track(*model.parameters(), *model.buffers(), *inputs.values())
         before = tracker.live
@@ -186,7 +189,7 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10) -> dict:
         loss.backward()
         loss_value = float(loss.detach()) if real else None
         del loss
-    return {**tracker.summary(), "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
+    return {**tracker.summary(), **clock.summary(inputs["input_ids"].numel()), "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
             "loss": loss_value, "attention_paths": dict(sim.attention_paths),
             "oracle_answers": dict(sim.oracle.answers)}
 
@@ -254,7 +257,7 @@ def run_simulation(spec: dict) -> dict:
 
 
 EXTENDED = ("peak_bytes", "before_bytes", "weight_bytes", "host_peak_bytes", "ops", "cuda_peak_bytes",
-            "cuda_before_bytes")
+            "cuda_before_bytes", "kernel_launches", "clock_ops", "host_syncs")
 
 
 def extrapolated_to_depth(step: dict, more: dict, layers: int, depth: int) -> dict:
@@ -269,8 +272,19 @@ def extrapolated_to_depth(step: dict, more: dict, layers: int, depth: int) -> di
     row["flops_by_dtype"] = {dtype: flops + (more["flops_by_dtype"].get(dtype, 0) - flops) * grow
                              for dtype, flops in step["flops_by_dtype"].items()}
     row["bytes_per_layer"] = more["peak_bytes"] - step["peak_bytes"]
+    if "timelines" in step:  # the clock: each timeline and each kind of work is a + b L too; the step ends with
+        for key in ("time_breakdown", "timelines"):  # the last timeline of the extended ones
+            row[key] = {k: v + (more[key][k] - v) * grow for k, v in step[key].items()}
+        row["step_seconds"] = max(row["timelines"].values())
+        row.update(clock_rates(row, step["clock_tokens"], step["clock_peak_flops"]))
     row["seconds"] = step["seconds"] + more["seconds"]
     return row
+
+
+def clock_rates(row: dict, tokens: int, peak_flops: float) -> dict:
+    """tokens/s and MFU of a row's predicted step (after its figures were extended to the depth)."""
+    step = row["step_seconds"]
+    return {"tokens_per_second": tokens / step, "mfu": sum(row["flops_by_dtype"].values()) / (step * peak_flops)}
 
 
 def longest_fitting(fits: Callable[[int], bool], start: int, cap: int, resolution: int = 1024) -> tuple[int | None, int | None]:

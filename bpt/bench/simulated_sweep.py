@@ -43,6 +43,10 @@ def _row_line(run: dict) -> str:
             f"{run['bytes_per_token'] / 1024:7.1f} KiB/token  {fits}  attention {paths}{extrapolated}")
     if run.get("host_peak_bytes"):
         line += f"  host {run['host_peak_bytes'] / GIB:.2f} GiB"
+    if run.get("step_seconds"):
+        idle = run["time_breakdown"]["launch_bound_idle"] / run["step_seconds"]
+        line += (f"  predicted {run['step_seconds']:.3f} s/step ({run['tokens_per_second']:,.0f} tok/s, MFU "
+                 f"{run['mfu']:.0%}, {run['kernel_launches']:,} kernels, launch-bound idle {idle:.0%})")
     if "cuda_peak_bytes" in run:
         line += f"  | real max_memory_allocated {run['cuda_peak_bytes'] / GIB:.2f} GiB"
     return line

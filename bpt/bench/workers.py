@@ -46,7 +46,7 @@ def _environment(spec: dict) -> dict:
 
 
 def _rates(spec: dict) -> dict:
-    from bpt.bench.rates import run_rates
+    from bpt.gpusim.rates import run_rates
 
     return run_rates(spec)
 

@@ -5,7 +5,8 @@
   (`torch.cuda.memory_allocated`, blocks rounded up to 512 bytes on CUDA) and its peak is
   `max_memory_allocated`. It also keeps the largest holders at the peak (op, shape, dtype, bytes), the
   FLOPs of every op torch's flop counter knows, by dtype, and the op count; with `shapes=True` also the shape
-  of every op output (structural checks: no op made an N x N or N x vocab tensor).
+  of every op output (structural checks: no op made an N x N or N x vocab tensor); with `clock` a
+  bpt.gpusim.clock.StepClock times every op.
 - `flash_backward_workspace`: the transient buffers FlashAttention-2's backward allocates inside the op.
 - `DataOracle`: answers the data-dependent reads fake tensors cannot (nonzero, item) and logs where.
 - `materialize_fake`: a meta (or real) module's parameters and buffers as fake tensors on a device.
@@ -46,8 +47,10 @@ class AllocationTracker(TorchDispatchMode):
         `host_peak` instead of the device figures.
     """
 
-    def __init__(self, *, top: int = 10, workspace=None, shapes: bool = False, host_apart: bool = False):
+    def __init__(self, *, top: int = 10, workspace=None, shapes: bool = False, host_apart: bool = False,
+                 clock=None):
         super().__init__()
+        self.clock = clock  # a bpt.gpusim.clock.StepClock shown every op, or None
         self.host_apart, self.host_live, self.host_peak = host_apart, 0, 0
         self.top, self.workspace = top, workspace
         self.output_shapes: Counter | None = Counter() if shapes else None  # (op, shape) -> outputs
@@ -106,13 +109,17 @@ class AllocationTracker(TorchDispatchMode):
         extra = self.workspace(func, args) if self.workspace else 0
         out = func(*args, **kwargs)
         self.ops += 1
-        formula = flop_registry.get(func.overloadpacket)
+        formula, flops = flop_registry.get(func.overloadpacket), 0
         if formula is not None:
             first = next(t for t in tree_leaves(args) if isinstance(t, torch.Tensor))
             shapes = [a for a in args if not isinstance(a, torch.dtype)]  # bmm(..., out_dtype): torch's formula has none
             if "scaled_dot_product" in self._op:
                 shapes = _query_heads(shapes)
-            self.flops[str(first.dtype).removeprefix("torch.")] += formula(*shapes, **kwargs, out_val=out)
+            flops = formula(*shapes, **kwargs, out_val=out)
+            self.flops[str(first.dtype).removeprefix("torch.")] += flops
+        if self.clock is not None:
+            self.clock.op(func, args, kwargs, [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)],
+                          [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], flops)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._add(t)

@@ -7,6 +7,8 @@
   every kernel adds whatever its size;
 - attention: causal SDPA forward and forward+backward FLOP/s at head dim 128 with grouped KV heads, the backend
   torch picks for it;
+- elementwise: elements/s of exp and of a log_softmax row (transcendental ops are compute-bound on a CPU);
+- fresh memory (CPU): bytes/s of first touching a freshly mapped block (page faults);
 - copies (CUDA): host <-> device bytes/s from pinned and pageable memory (checkpoint offload's link).
 Each figure is the median of a few repeats after a warm-up; everything is small enough to take ~20 s on an H100
 and ~30 s on a 2-core CPU (sizes shrink there).
@@ -86,11 +88,11 @@ def dispatch_cost(device: torch.device, count: int = 1000) -> dict:
     return {"host_seconds_per_op": enqueued / count, "seconds_per_op_synced": completed / count, "ops": count}
 
 
-def attention_rates(device: torch.device, seq_lens, dtype=torch.bfloat16) -> list[dict]:
-    """Causal SDPA (grouped KV heads, head dim 128): forward and forward+backward FLOP/s per length."""
-    heads, kv_heads, dim = ATTENTION_HEADS
+def attention_rates(device: torch.device, seq_lens, dtypes=(torch.bfloat16,), heads=ATTENTION_HEADS) -> list[dict]:
+    """Causal SDPA (grouped KV heads, head dim 128): forward and forward+backward FLOP/s per length and dtype."""
+    heads, kv_heads, dim = heads
     out = []
-    for n in seq_lens:
+    for n, dtype in ((n, d) for d in dtypes for n in seq_lens):
         q = torch.randn(1, heads, n, dim, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(1, kv_heads, n, dim, device=device, dtype=dtype, requires_grad=True)
         v = torch.randn(1, kv_heads, n, dim, device=device, dtype=dtype, requires_grad=True)
@@ -107,13 +109,37 @@ def attention_rates(device: torch.device, seq_lens, dtype=torch.bfloat16) -> lis
 
         forward_flops = 2 * 2 * heads * n * n * dim / 2  # QK^T and PV, causal half
         fwd, both = _seconds(forward, device, 3), _seconds(forward_backward, device, 3)
-        out.append({"seq_len": n, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-                    "forward_seconds": fwd, "forward_flops_per_second": forward_flops / fwd,
+        out.append({"seq_len": n, "dtype": str(dtype).removeprefix("torch."), "heads": heads, "kv_heads": kv_heads,
+                    "head_dim": dim, "forward_seconds": fwd, "forward_flops_per_second": forward_flops / fwd,
                     "forward_backward_seconds": both,
                     # backward = 2.5 forwards of matmul work (dS, dP, dQ, dK, dV and the recomputed S)
-                    "forward_backward_flops_per_second": 3.5 * forward_flops / both})
+                    "forward_backward_flops_per_second": 3.5 * forward_flops / both,
+                    "backward_flops_per_second": 2.5 * forward_flops / max(both - fwd, 1e-9)})
         del q, k, v, grad
     return out
+
+
+def transcendental_rate(device: torch.device, numel: int) -> float:
+    """Elements/s of an exp over fp32 (a CPU computes exp-like ops slower than it moves their bytes)."""
+    x = torch.randn(numel, device=device)
+    out = torch.empty_like(x)
+    return numel / _seconds(lambda: torch.exp(x, out=out), device)
+
+
+def softmax_rate(device: torch.device, rows: int, vocab: int = 32000) -> float:
+    """Elements/s of a log_softmax over a [rows, vocab] fp32 block (the LM head's loss: several passes a row),
+    its output freshly allocated as in a step."""
+    x = torch.randn(rows, vocab, device=device)
+    return x.numel() / _seconds(lambda: torch.log_softmax(x, dim=-1), device)
+
+
+def fresh_rate(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of filling a freshly allocated block, less a fill of a held one: on a CPU whose large blocks are
+    fresh mmaps (the bench's malloc setting), the cost of faulting the pages in."""
+    held = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    warm = _seconds(lambda: held.fill_(1), device)
+    cold = _seconds(lambda: torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1), device)
+    return nbytes / max(cold - warm, 1e-9)
 
 
 def host_link_rates(device: torch.device, nbytes: int) -> dict:
@@ -138,9 +164,14 @@ def measure_rates(device: str = "cuda", small: bool | None = None) -> dict:
               "matmul": matmul_rates(dev, 1024 if small else 8192, dtypes),
               "matmul_by_rows": matmul_by_rows(dev, (128, 512, 2048) if small else
                                                (256, 512, 1024, 2048, 4096, 8192, 16384)),
-              "copy_bytes_per_second": copy_rate(dev, (64 if small else 1024) * 2 ** 20),
+              "copy_bytes_per_second": copy_rate(dev, (256 if small else 1024) * 2 ** 20),
               "dispatch": dispatch_cost(dev),
-              "attention": attention_rates(dev, (1024,) if small else (8192, 32768))}
+              "attention": attention_rates(dev, (4096,), (torch.bfloat16, torch.float32), (8, 2, 128)) if small
+              else attention_rates(dev, (8192, 32768)),
+              "transcendental_per_second": transcendental_rate(dev, 2 ** 24),
+              "softmax_per_second": softmax_rate(dev, 2048 if small else 16384)}
+    if dev.type == "cpu":
+        result["fresh_bytes_per_second"] = fresh_rate(dev, 256 * 2 ** 20)
     if dev.type == "cuda":
         result["host_link"] = host_link_rates(dev, 512 * 2 ** 20)
         result["torch_allow_tf32"] = torch.backends.cuda.matmul.allow_tf32

@@ -1,0 +1,255 @@
+"""A clock for the simulated step: each op the tracker sees gets a predicted time, from the device's rates.
+
+Per op:
+- host: every dispatched op costs the host `host_seconds_per_op` (views and metadata ops too: they are aten calls);
+- kernel (ops that launch one: not views, not allocations): the longest of its FLOPs at the dtype's achievable
+  matmul rate (attention kernels at `attention_fraction` of the bf16 rate), the bytes it reads and writes at the
+  memory bandwidth, and the shortest kernel a launch costs the device;
+- copies between host and device (checkpoint offload) run on their own stream at the link's bandwidth.
+On a GPU the host enqueues and the device runs: the device idles only where launches outrun kernels
+("launch-bound idle"), a data-dependent read (`.item()`, `nonzero`) makes the host wait for the device, and the
+step ends when the host, the device and the copy stream are all done. On a CPU everything is one timeline.
+
+`RATES` holds every card's constants with their sources: measured ones come from `python -m bpt.bench
+--gpu_check` (bpt/gpusim/rates.py), the others from datasheets scaled by what the measured card achieved. The
+CPU's are measured on this machine (`cpu_rates`, cached per CPU and torch version).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+aten = torch.ops.aten
+
+# Ops that launch no kernel: allocation without initialisation, aliasing, metadata.
+NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.detach, aten.alias, aten.lift_fresh,
+             aten.set_, aten.resize_, aten._unsafe_view, aten.view, aten._reshape_alias, aten.as_strided,
+             aten.t, aten.transpose, aten.permute, aten.expand, aten.unsqueeze, aten.squeeze, aten.slice,
+             aten.select, aten.split, aten.split_with_sizes, aten.unbind, aten.chunk, aten.narrow, aten.diagonal,
+             aten.view_as_real, aten.view_as_complex, aten.unflatten, aten.flatten, aten.reshape,
+             aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.is_same_size,
+             aten.is_nonzero, aten.new_empty, aten.new_empty_strided}
+COPIES = {aten._to_copy, aten.copy_, aten.copy}
+SYNCS = {aten._local_scalar_dense, aten.nonzero, aten.item, aten.equal}  # the host waits for the device
+ATTENTION = ("flash_attention", "efficient_attention", "cudnn_attention")
+# Elementwise ops whose cost per element is a transcendental function (a CPU computes them slower than it moves
+# their bytes; a GPU does not): timed at the device's `transcendental_per_second` too.
+SOFTMAX = {aten._log_softmax, aten._log_softmax_backward_data, aten._softmax, aten._softmax_backward_data,
+           aten.logsumexp}
+TRANSCENDENTAL = {aten.exp, aten.log, aten.silu, aten.silu_backward, aten.sigmoid, aten.sigmoid_backward,
+                  aten.tanh, aten.tanh_backward, aten.gelu, aten.gelu_backward, aten.rsqrt, aten.sqrt, aten.pow,
+                  aten.sin, aten.cos, aten.erf}
+FRESH_BLOCK = 128 * 1024  # CPU: blocks from this size on are fresh mmaps (the bench's malloc setting): page faults
+
+
+@dataclass(frozen=True)
+class Rates:
+    name: str
+    matmul: dict                 # dtype name -> achievable FLOP/s
+    memory_bytes_per_second: float  # bytes read + written per second by a large copy
+    attention: dict              # dtype name -> (forward, backward) FLOP/s of fused causal attention
+    host_seconds_per_op: float   # host time to dispatch one aten op (and launch its kernel)
+    kernel_floor_seconds: float  # the shortest kernel, however small its work
+    link_bytes_per_second: float | None  # host <-> device, pinned memory
+    peak_bf16: float             # datasheet dense bf16 FLOP/s (the MFU's denominator)
+    overlap: bool                # True: host and device on separate timelines (a GPU's stream)
+    transcendental_per_second: float | None = None  # elements/s of exp-like ops (None: memory-bound only)
+    softmax_per_second: float | None = None  # elements/s of a (log_)softmax row, forward or backward
+    fresh_bytes_per_second: float | None = None  # CPU: first touch of a freshly mapped block (page faults)
+    sources: tuple = field(default=())
+
+    def matmul_rate(self, dtype: str) -> float:
+        return self.matmul.get(dtype) or self.matmul["float32"]
+
+    def attention_rate(self, dtype: str, backward: bool) -> float:
+        forward_rate, backward_rate = self.attention.get(dtype) or self.attention["bfloat16"]
+        return backward_rate if backward else forward_rate
+
+
+_H100_SOURCE = ("measured: python -m bpt.bench --gpu_check on one H100 80GB HBM3 "
+                "(docs/bench/gpu_check-h100-80gb.json, clock part): bf16 matmul 759 TFLOP/s at 8192^3, fp16 727, "
+                "fp32 51; copy 2,890 GB/s; causal grouped SDPA forward+backward 518-545 TFLOP/s (0.70 of bf16 "
+                "matmul; forward 559 at 8K, backward ~500 from the forward+backward time); 10.2 us host time per "
+                "small op; pinned host link 54 GB/s each way",
+                "assumed: 3 us shortest kernel (launch latency on the device)",
+                "datasheet: H100 SXM dense bf16 989 TFLOP/s")
+_H100 = dict(matmul={"bfloat16": 759e12, "float16": 727e12, "float32": 51e12}, memory_bytes_per_second=2.89e12,
+             attention={"bfloat16": (559e12, 500e12)}, host_seconds_per_op=10.2e-6, kernel_floor_seconds=3e-6,
+             link_bytes_per_second=54e9, peak_bf16=989e12, overlap=True)
+
+
+def _scaled(name: str, compute: float, memory: float, link: float, peak: float, note: str) -> Rates:
+    """A card without a measurement: the H100's measured rates scaled by datasheet ratios (compute, memory)."""
+    return Rates(name, {k: v * compute for k, v in _H100["matmul"].items()},
+                 memory_bytes_per_second=_H100["memory_bytes_per_second"] * memory,
+                 attention={k: (f * compute, b * compute) for k, (f, b) in _H100["attention"].items()},
+                 host_seconds_per_op=_H100["host_seconds_per_op"], kernel_floor_seconds=_H100["kernel_floor_seconds"],
+                 link_bytes_per_second=link, peak_bf16=peak, overlap=True,
+                 sources=("scaled from the measured H100: " + note, *_H100_SOURCE))
+
+
+RATES = {
+    "h100-80gb": Rates("h100-80gb", **_H100, sources=_H100_SOURCE),
+    "h200-141gb": _scaled("h200-141gb", 1.0, 4.8 / 3.35, 54e9, 989e12,
+                          "datasheet: H200 same dense bf16 as H100 SXM, HBM3e 4.8 TB/s vs 3.35, PCIe Gen5"),
+    "a100-80gb": _scaled("a100-80gb", 312 / 989, 2.04 / 3.35, 25e9, 312e12,
+                         "datasheet: A100 dense bf16 312 TFLOP/s, HBM2e 2.04 TB/s, PCIe Gen4 ~25 GB/s"),
+    "a100-40gb": _scaled("a100-40gb", 312 / 989, 1.56 / 3.35, 25e9, 312e12,
+                         "datasheet: A100 40GB dense bf16 312 TFLOP/s, HBM2 1.56 TB/s, PCIe Gen4 ~25 GB/s"),
+    "l40s-48gb": _scaled("l40s-48gb", 362 / 989, 0.864 / 3.35, 25e9, 362e12,
+                         "datasheet: L40S dense bf16 362 TFLOP/s, GDDR6 864 GB/s, PCIe Gen4 ~25 GB/s"),
+    "rtx4090-24gb": _scaled("rtx4090-24gb", 165 / 989, 1.008 / 3.35, 25e9, 165e12,
+                            "datasheet: RTX 4090 dense bf16 (fp32 accumulate) 165 TFLOP/s, 1,008 GB/s, PCIe Gen4"),
+}
+
+
+def cpu_rates(cache_dir: Path | None = None) -> Rates:
+    """This CPU's rates, measured once (bpt.gpusim.rates, ~10 s) and cached per CPU model, threads and torch."""
+    from bpt.gpusim.rates import measure_rates
+
+    cpu = _cpu_model()
+    key = hashlib.sha1(f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|"
+                       f"{torch.backends.cpu.get_cpu_capability()}".encode()).hexdigest()[:12]
+    cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "bpt"
+    path = cache_dir / f"rates-cpu-{key}.json"
+    try:
+        measured = json.loads(path.read_text())
+    except (OSError, ValueError):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # real tensors, even when asked from inside a simulation
+            measured = measure_rates("cpu")
+        measured["cpu"] = cpu
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(measured))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # an unwritable cache only costs the next run the measurement
+    attention = {a["dtype"]: (a["forward_flops_per_second"], a["backward_flops_per_second"])
+                 for a in measured["attention"]}
+    return Rates("cpu", dict(measured["matmul"]), measured["copy_bytes_per_second"], attention,
+                 measured["dispatch"]["seconds_per_op_synced"], 0.0, None, measured["matmul"]["bfloat16"], False,
+                 measured["transcendental_per_second"], measured["softmax_per_second"],
+                 measured["fresh_bytes_per_second"],
+                 (f"measured on this CPU ({measured.get('cpu')}, {torch.get_num_threads()} threads): {path}",))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def rates_for(device_name: str) -> Rates:
+    return cpu_rates() if device_name == "cpu" else RATES[device_name]
+
+
+def attention_flops(func, args: tuple, backward: bool) -> float:
+    """Matmul FLOPs of a fused attention kernel from its shapes: QK^T and PV (a causal mask halves them), the
+    backward 2.5 times the forward (its five products, the scores recomputed)."""
+    names = [a.name for a in func._schema.arguments]
+    values = dict(zip(names, args))
+    q, k = values.get("query"), values.get("key")
+    if q is None or k is None:
+        return 0.0
+    if q.dim() == 4:  # [batch, heads, tokens, dim]
+        forward = 4.0 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+    else:  # varlen [tokens, heads, dim]
+        forward = 4.0 * q.shape[1] * q.shape[0] * k.shape[0] * q.shape[2]
+    if values.get("is_causal", False):
+        forward /= 2
+    return forward * (2.5 if backward else 1.0)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class StepClock:
+    """Predicted time of the ops it is shown (`op`), on the host, device and copy timelines of `rates`."""
+
+    def __init__(self, rates: Rates):
+        self.rates = rates
+        self.host = self.device = self.copies = 0.0
+        self.idle = 0.0  # device time spent waiting for the host
+        self.kernels = self.ops = self.syncs = 0
+        self.by_kind = {"matmul": 0.0, "attention": 0.0, "memory_bound": 0.0, "copies": 0.0}
+        self.flops = 0.0
+        self.by_op: dict = {}  # kernel op name -> [launches, predicted seconds]
+
+    def op(self, func, args: tuple, kwargs: dict, inputs: list, outputs: list, flops: float) -> None:
+        r, packet = self.rates, func.overloadpacket
+        if func.namespace == "prim":  # metadata queries (prim::device ...) a fake tensor dispatches, a real one not
+            return
+        self.ops += 1
+        self.host += r.host_seconds_per_op
+        if packet in SYNCS:
+            self.syncs += 1
+            self.host = max(self.host, self.device, self.copies)
+        if packet in NO_KERNEL or func.is_view or not outputs:
+            return
+        devices = {t.device.type for t in (*inputs, *outputs) if t.dim()}  # a 0-dim CPU operand is a scalar
+        if packet in COPIES and len(devices) > 1 and r.link_bytes_per_second:  # host <-> device: the copy stream
+            seconds = _nbytes(outputs) / r.link_bytes_per_second
+            self.copies = max(self.copies, self.host) + seconds
+            self.by_kind["copies"] += seconds
+            return
+        self.kernels += 1
+        self.flops += flops
+        dtype = str(inputs[0].dtype).removeprefix("torch.") if inputs else "float32"
+        moved = _nbytes(inputs) + _nbytes(outputs)
+        if any(a in packet.__name__ for a in ATTENTION):
+            backward = "backward" in packet.__name__
+            kind, compute = "attention", attention_flops(func, args, backward) / r.attention_rate(dtype, backward)
+        elif flops:
+            kind, compute = "matmul", flops / r.matmul_rate(dtype)
+        else:
+            kind, compute = "memory_bound", 0.0
+            rate = (r.transcendental_per_second if packet in TRANSCENDENTAL else
+                    r.softmax_per_second if packet in SOFTMAX else None)
+            if rate and outputs:
+                compute = max(t.numel() for t in outputs) / rate
+        seconds = max(compute, moved / r.memory_bytes_per_second, r.kernel_floor_seconds)
+        if r.fresh_bytes_per_second and packet not in SOFTMAX and not func._schema.is_mutable:
+            # a new large output faults its pages in on first touch (the softmax rate was measured with it)
+            seconds += sum(n for n in map(_nbytes, ([t] for t in outputs)) if n >= FRESH_BLOCK) \
+                / r.fresh_bytes_per_second
+        self.by_kind[kind] += seconds
+        entry = self.by_op.setdefault(packet.__name__, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+        if r.overlap:
+            start = max(self.device, self.host)
+            self.idle += start - self.device
+            self.device = start + seconds
+        else:
+            self.host += seconds
+            self.device = self.host
+
+    def summary(self, tokens: int) -> dict:
+        step = max(self.host, self.device, self.copies)
+        return {"step_seconds": step, "tokens_per_second": tokens / step if step else None, "clock_tokens": tokens,
+                "mfu": self.flops / (step * self.rates.peak_bf16) if step else None,
+                "kernel_launches": self.kernels, "clock_ops": self.ops, "host_syncs": self.syncs,
+                "time_breakdown": {**self.by_kind, "launch_bound_idle": self.idle if self.rates.overlap else 0.0},
+                "timelines": {"host": self.host, "device": self.device, "copy_stream": self.copies},
+                "clock_device": self.rates.name, "clock_peak_flops": self.rates.peak_bf16,
+                "busiest_ops": [{"op": name, "launches": n, "seconds": t} for name, (n, t) in
+                                sorted(self.by_op.items(), key=lambda kv: -kv[1][1])[:12]]}
+
+
+def rates_table() -> list[dict]:
+    """Every card's constants with their sources (docs, --plan)."""
+    return [asdict(r) for r in RATES.values()]
