@@ -320,6 +320,35 @@ def cpu_block() -> str:
                    f"{r['mem_ratio']:.3f}"] for r in measured])
 
 
+def clock_block() -> str:
+    """The clock's predictions beside the measured steps: this CPU's bench, and the H100's GPU check (compiled)."""
+    real, predicted = by_side("clock-llama-ref-cpu-measured"), by_side("clock-llama-ref-cpu-predicted")
+    h100 = by_side("clock-llama-3.2-1b-h100-predicted")
+    measured = {(r["side"], r["seq_len"]): r for r in bench("gpu_check-h100-80gb")["speed"]
+                if r["bits"] == 16 and r["ok"] and r["seconds_per_step"]}
+    profiled = profiles(8192)
+
+    def off(p: float, m: float) -> str:
+        return f"{p:.3f} s vs {m:.3f} s ({100 * (p / m - 1):+.0f}%)"
+    rows = []
+    for n in sorted({n for _, n in real}):
+        s, p = (real[side, n]["median_s"] for side in ("stock", "patched"))
+        ps, pp = (predicted[side, n]["step_seconds"] for side in ("stock", "patched"))
+        rows.append([f"CPU (this machine), llama-ref fp32, {k(n)}", off(ps, s), off(pp, p),
+                     f"{pp / ps:.3f} vs {p / s:.3f}", ""])
+    for n in sorted({n for _, n in h100}):
+        cells = [off(h100[side, n]["step_seconds"], measured[side, n]["seconds_per_step"])
+                 if (side, n) in measured else "" for side in ("stock", "patched", "patched+offload")]
+        launches = " / ".join(f"{h100[side, n]['kernel_launches']:,} vs {profiled[side]['kernel_launches']:,}"
+                              for side in ("stock", "patched")) if n == 8192 else ""
+        rows.append([f"H100, Llama-3.2-1B LoRA bf16, {k(n)} (+offload: {cells[2]})", *cells[:2],
+                     f"{h100['patched', n]['step_seconds'] / h100['stock', n]['step_seconds']:.3f} vs "
+                     f"{measured['patched', n]['seconds_per_step'] / measured['stock', n]['seconds_per_step']:.3f}",
+                     launches])
+    return table(["predicted vs measured", "stock s/step", "patched s/step", "patched / stock",
+                  "kernels stock / patched"], rows)
+
+
 def stated_cpu() -> list[str]:
     grad = {r["grad_mib"] for r in bench("llama-ref-cpu")["runs"] if r["side"] == "patched"}
     return [f"About {grad.pop():.0f} MiB of each patched figure is the parameter gradients"]
@@ -329,12 +358,29 @@ def stated() -> list[str]:
     """The figures the pages' sentences quote from docs/bench/, each as the phrase that states it (line breaks
     aside): tests/test_readme_figures.py asserts the README or a docs/ page has every one. The sentences stay the
     pages': a figure that changes is fixed there by hand, as the failing test prints it."""
-    return stated_cpu() + stated_simulated() + stated_gpu() + stated_sequence_parallel()
+    return stated_cpu() + stated_simulated() + stated_gpu() + stated_sequence_parallel() + stated_clock()
+
+
+def stated_clock() -> list[str]:
+    rows = by_side("clock-llama-3.1-8b-qlora-h100-predicted")
+
+    def ratio(key: str, n: int, side: str = "patched") -> float:
+        value = (lambda r: sum(r["flops_by_dtype"].values())) if key == "flops" else (lambda r: r[key])
+        return value(rows[side, n]) / value(rows["stock", n])
+    idle = max(r["time_breakdown"]["launch_bound_idle"] / r["step_seconds"] for r in rows.values())
+    return [f"patched / stock predicted {ratio('step_seconds', 16384):.2f}x at 16K and "
+            f"{ratio('step_seconds', 32768):.2f}x at 32K, FLOPs {ratio('flops', 16384):.3f}x and "
+            f"{ratio('flops', 32768):.3f}x, kernel launches {ratio('kernel_launches', 16384):.1f}x and "
+            f"{ratio('kernel_launches', 32768):.1f}x, launch-bound idle at most {idle:.1%}",
+            "patched+offload " + " and ".join(f"{rows['patched+offload', n]['step_seconds']:.3f} s vs patched "
+                                              f"{rows['patched', n]['step_seconds']:.3f} s at {k(n)}"
+                                              for n in (16384, 32768))]
 
 
 BLOCKS = {"default-run": default_run_block, "plan": plan_block, "bench-cpu": cpu_block, "bench-qlora": qlora_block,
           "bench-gpu-memory": gpu_memory_block, "bench-gpu-speed": gpu_speed_block,
-          "bench-sequence-parallel": sequence_parallel_block, "bench-sequence-parallel-tp": sequence_parallel_tp_block}
+          "bench-sequence-parallel": sequence_parallel_block, "bench-sequence-parallel-tp": sequence_parallel_tp_block,
+          "bench-clock": clock_block}
 
 
 def readme_block(text: str, name: str) -> str:

@@ -87,7 +87,7 @@ def test_attention_flops_from_shapes_causal_halved_backward_two_and_a_half():
 def test_extension_to_depth_takes_the_longest_timeline():
     def row(host, device, launches):
         return {"peak_bytes": 1, "before_bytes": 0, "flops_by_dtype": {"bfloat16": 1e12}, "seconds": 1.0,
-                "step_seconds": max(host, device), "clock_tokens": 1000,
+                "step_seconds": max(host, device), "clock_tokens": 1000, "clock_flops": 1e12,
                 "clock_peak_flops": 1e15, "time_breakdown": {"matmul": device}, "kernel_launches": launches,
                 "timelines": {"host": host, "device": device, "copy_stream": 0.0}}
     # 2 layers device-bound, each layer adds more host time than device time: the deep model is host-bound

@@ -348,6 +348,7 @@ def format_verdict(args, p: Planned) -> list[str]:
         f"  usable   {size(p.usable_bytes)} = {size(gpu.memory_bytes)} less a {size(RESERVE_BYTES)} reserve for the "
         "CUDA context, workspaces and fragmentation (about half of it measured on one H100)",
         f"  verdict  {verdict} (simulated)",
+        *time_lines(args, row),
         *([f"  host     {size(row['host_peak_bytes'])} per process of host memory for the offloaded checkpoints "
            "(pinned), simulated"] if args.offload_checkpoints else []),
         "  largest tensors live at the peak (simulated" + (f", {row['layers']}-layer step):" if row["extrapolated"]
@@ -360,6 +361,24 @@ def format_verdict(args, p: Planned) -> list[str]:
         lines.append("  note     simulated with bf16 autocast (the GPU default), not --mixed_precision no")
     lines += [f"  note     {note}" for note in p.notes]
     return lines
+
+
+def time_lines(args, row: dict) -> list[str]:
+    """The clock's predicted time of a step and of the run (bpt.gpusim.clock), when the row has it."""
+    if not row.get("step_seconds"):
+        return []
+    step = row["step_seconds"] * args.gradient_accumulation_steps
+    idle = row["time_breakdown"]["launch_bound_idle"] / row["step_seconds"]
+    total = (f"; {args.max_steps} steps ~{duration(step * args.max_steps)}" if args.max_steps > 0
+             else "; the run's total: this times its steps (--max_steps)")
+    return [f"  time     ~{step:.2f} s per optimizer step ({row['tokens_per_second']:,.0f} tokens/s per device, MFU "
+            f"{row['mfu']:.0%}, {row['kernel_launches']:,} kernel launches, launch-bound idle {idle:.0%}){total}; "
+            "predicted by the clock (eager blocks; rates in bpt/gpusim/clock.py)"]
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min" if seconds >= 60 \
+        else f"{seconds:.0f} s"
 
 
 def format_longest(args, p: Planned, why: str, probes: int, seconds: float) -> list[str]:

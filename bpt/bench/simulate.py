@@ -257,7 +257,7 @@ def run_simulation(spec: dict) -> dict:
 
 
 EXTENDED = ("peak_bytes", "before_bytes", "weight_bytes", "host_peak_bytes", "ops", "cuda_peak_bytes",
-            "cuda_before_bytes", "kernel_launches", "clock_ops", "host_syncs")
+            "cuda_before_bytes", "kernel_launches", "clock_ops", "host_syncs", "clock_flops")
 
 
 def extrapolated_to_depth(step: dict, more: dict, layers: int, depth: int) -> dict:
@@ -282,9 +282,10 @@ def extrapolated_to_depth(step: dict, more: dict, layers: int, depth: int) -> di
 
 
 def clock_rates(row: dict, tokens: int, peak_flops: float) -> dict:
-    """tokens/s and MFU of a row's predicted step (after its figures were extended to the depth)."""
+    """tokens/s and MFU (the FLOPs the clock counted, causal attention halved, over the card's dense bf16 peak) of
+    a row's predicted step, after its figures were extended to the depth."""
     step = row["step_seconds"]
-    return {"tokens_per_second": tokens / step, "mfu": sum(row["flops_by_dtype"].values()) / (step * peak_flops)}
+    return {"tokens_per_second": tokens / step, "mfu": row["clock_flops"] / (step * peak_flops)}
 
 
 def longest_fitting(fits: Callable[[int], bool], start: int, cap: int, resolution: int = 1024) -> tuple[int | None, int | None]:

@@ -207,12 +207,12 @@ class StepClock:
             self.by_kind["copies"] += seconds
             return
         self.kernels += 1
-        self.flops += flops
         dtype = str(inputs[0].dtype).removeprefix("torch.") if inputs else "float32"
         moved = _nbytes(inputs) + _nbytes(outputs)
         if any(a in packet.__name__ for a in ATTENTION):
             backward = "backward" in packet.__name__
-            kind, compute = "attention", attention_flops(func, args, backward) / r.attention_rate(dtype, backward)
+            flops = attention_flops(func, args, backward)  # torch's formula ignores the causal mask
+            kind, compute = "attention", flops / r.attention_rate(dtype, backward)
         elif flops:
             kind, compute = "matmul", flops / r.matmul_rate(dtype)
         else:
@@ -221,6 +221,7 @@ class StepClock:
                     r.softmax_per_second if packet in SOFTMAX else None)
             if rate and outputs:
                 compute = max(t.numel() for t in outputs) / rate
+        self.flops += flops
         seconds = max(compute, moved / r.memory_bytes_per_second, r.kernel_floor_seconds)
         if r.fresh_bytes_per_second and packet not in SOFTMAX and not func._schema.is_mutable:
             # a new large output faults its pages in on first touch (the softmax rate was measured with it)
@@ -241,6 +242,7 @@ class StepClock:
     def summary(self, tokens: int) -> dict:
         step = max(self.host, self.device, self.copies)
         return {"step_seconds": step, "tokens_per_second": tokens / step if step else None, "clock_tokens": tokens,
+                "clock_flops": self.flops,
                 "mfu": self.flops / (step * self.rates.peak_bf16) if step else None,
                 "kernel_launches": self.kernels, "clock_ops": self.ops, "host_syncs": self.syncs,
                 "time_breakdown": {**self.by_kind, "launch_bound_idle": self.idle if self.rates.overlap else 0.0},
