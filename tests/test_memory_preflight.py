@@ -19,6 +19,7 @@ from train.qlora import preflight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MIB = 1 << 20
+HOST_PER_TOKEN = 256 * 1024  # Llama-3.1-8B's offloaded checkpoints, about
 
 
 def _limit_address_space():  # were the check missing, the run would fail here fast instead of filling the machine
@@ -106,3 +107,38 @@ def test_a_long_step_is_extended_along_the_line_of_two_short_ones(tmp_path):
     step = memory_check.estimate(args, cuda=False).parts["step"].bytes
     assert (step.n1, step.n2) == (128, 192)
     assert step(512) == step.peak(512) > step(step.n2)
+
+
+def test_offloaded_checkpoints_count_against_host_memory_on_cuda(tmp_path, monkeypatch):
+    """With --offload_checkpoints on CUDA the step's host peak (the checkpoints in pinned host
+    memory, from the simulated step) is a host part; a host too small for it refuses in one line, naming it."""
+    args = parse_args(["--output_dir", str(tmp_path / "run"), "--max_seq_len", "65536", "--no_eval_passkey",
+                       "--offload_checkpoints"])
+    simulated = []
+
+    def step_row(spec, prefill=None):  # the simulated step: 1 KiB per token on the device, 256 KiB on the host
+        simulated.append(spec["seq_len"])
+        n = spec["seq_len"]
+        return {"peak_bytes": (1 << 30) + 1024 * n, "host_peak_bytes": HOST_PER_TOKEN * n, "trainable_params": 1000}
+
+    monkeypatch.setattr(memory_check, "simulated_device", lambda cuda: "h100-80gb")
+    monkeypatch.setattr(memory_check, "simulate_quietly", step_row)
+    found = memory_check.estimate(args, cuda=True)
+    assert found.parts["offloaded"].bytes(1 << 20) == HOST_PER_TOKEN << 20  # the line past the simulated points
+    assert len(set(simulated)) == 2  # the host figure comes with the step's own simulations
+    need, phase = found.need("host", 65536)
+    assert "offloaded" in phase and need >= HOST_PER_TOKEN * 65536
+    assert "offloaded" not in [p for phases in found.phases["cuda"] for p in phases]
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(memory_check, "budgets", lambda cuda: [
+        memory_check.Budget("host", 128 * MIB, "test"), memory_check.Budget("cuda:0", 80 << 30, "test")])
+    with pytest.raises(UserError) as refused:
+        memory_check.check_memory(args)
+    message = str(refused.value)
+    assert message.startswith("not enough host memory: --max_seq_len 65536") and "\n" not in message
+    assert f"the offloaded checkpoints (simulated) {memory_check.size(HOST_PER_TOKEN * 65536)}" in message
+    args.offload_checkpoints = False
+    assert "offloaded" not in memory_check.estimate(args, cuda=True).parts

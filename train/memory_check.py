@@ -13,7 +13,8 @@ GPU of the card's compute capability (its attention kernels and bf16 autocast):
   state that is still alive after training; in host memory the task's prompts (PROMPT_BYTES per token);
 - the data: --dataset passkey rows (PASSKEY_BUILD_BYTES per token while they are built, PASSKEY_HELD_BYTES after).
   File and hub datasets are not counted: their rows are the dataset's tokens, whatever --max_seq_len.
-On a CPU all of it is host memory; on CUDA the step and evaluation are the device's, the data and prompts the host's.
+On a CPU all of it is host memory; on CUDA the step and evaluation are the device's, the data and prompts the host's,
+and with --offload_checkpoints the checkpoints the step keeps in host memory (the simulated step's host peak).
 
 A simulated step costs seconds per few thousand tokens (the blockwise loops run in Python), so lengths past LINEAR_AT
 block sizes are not simulated: the peak grows linearly with the length once the rows span whole blocks (the plan's
@@ -239,17 +240,22 @@ def estimate(args, *, cuda: bool, zero3=None) -> Estimate:
         sizes = [getattr(args, name) or getattr(BPTConfig, name) for name in BPT_SIZES]
         block = max(sizes) * args.sequence_parallel  # a rank's share spans whole blocks
         extras: list = []
+        rows: dict[int, dict] = {}
 
-        def step_peak(n: int) -> int:
-            row = simulate_quietly(plan.step_spec(args, config, n, adapters, device))
-            extras[:] = plan.analytic_extras(args, config, row["trainable_params"])
-            return row["peak_bytes"]
+        def step_row(n: int) -> dict:
+            if n not in rows:
+                rows[n] = simulate_quietly(plan.step_spec(args, config, n, adapters, device))
+                extras[:] = plan.analytic_extras(args, config, rows[n]["trainable_params"])
+            return rows[n]
 
-        simulated = Simulated(step_peak, block)
+        simulated = Simulated(lambda n: step_row(n)["peak_bytes"], block)
         parts["step"] = Part("the training step as --plan simulates it", simulated, simulated.line)
         simulated(min(args.max_seq_len, simulated.n2))  # the extras come with a simulated step
         parts["extras"] = constant("optimizer state and kept gradients", sum(b for _, b in extras))
         step = ["step", "extras"]
+        if cuda and args.offload_checkpoints:  # the checkpoints the step moves to (pinned) host memory
+            offloaded = Simulated(lambda n: step_row(n).get("host_peak_bytes") or 0, block)
+            parts["offloaded"] = Part("the offloaded checkpoints (simulated)", offloaded, offloaded.line)
         if args.eval_passkey:
             batch = min(EVAL_BATCH, len(args.eval_depths) * args.eval_trials)
             cache = args.sequence_parallel == 1
@@ -273,7 +279,8 @@ def estimate(args, *, cuda: bool, zero3=None) -> Estimate:
     held = ["data"] if "data" in parts else []
     building = [["data, building"]] if "data" in parts else []
     if cuda:
-        phases = {"cuda": [step, evaluation], "host": building + [held + prompts]}
+        offloaded = ["offloaded"] if "offloaded" in parts else []
+        phases = {"cuda": [step, evaluation], "host": building + [held + offloaded, held + prompts]}
     else:
         phases = {"host": building + [held + step, held + evaluation + prompts]}
     return Estimate(parts, phases)
