@@ -244,7 +244,8 @@ def estimate(args, *, cuda: bool, zero3=None) -> Estimate:
 
         def step_row(n: int) -> dict:
             if n not in rows:
-                rows[n] = simulate_quietly(plan.step_spec(args, config, n, adapters, device))
+                spec = {**plan.step_spec(args, config, n, adapters, device), "clock": False}  # bytes only
+                rows[n] = simulate_quietly(spec)
                 extras[:] = plan.analytic_extras(args, config, rows[n]["trainable_params"])
             return rows[n]
 

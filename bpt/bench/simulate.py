@@ -165,7 +165,7 @@ def training_step(model, inputs: dict, autocast: bool) -> torch.Tensor:
     return loss.detach()
 
 
-def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10) -> dict:
+def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: bool = True) -> dict:
     """One training step under the AllocationTracker (the simulation's figures; on real tensors too), with
     torch.cuda's own peak beside them on a real GPU, inside `sim`'s device rules (entered by the caller)."""
     from bpt.gpusim.tracker import AllocationTracker, flash_backward_workspace
@@ -173,7 +173,7 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10) -> dict:
     from bpt.gpusim.clock import StepClock, rates_for
 
     gpu = sim.device
-    clock = StepClock(rates_for(gpu.name))
+    clock = StepClock(rates_for(gpu.name)) if clock else None  # a CPU's rates cost ~25 s the first time
     with contextlib.ExitStack() as stack:
         stack.enter_context(counting_blockwise_calls(sim.attention_paths))
         tracker = AllocationTracker(top=top, workspace=flash_backward_workspace, host_apart=gpu.is_cuda, clock=clock)
@@ -189,7 +189,8 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10) -> dict:
         loss.backward()
         loss_value = float(loss.detach()) if real else None
         del loss
-    return {**tracker.summary(), **clock.summary(inputs["input_ids"].numel()), "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
+    timed = clock.summary(inputs["input_ids"].numel()) if clock else {}
+    return {**tracker.summary(), **timed, "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
             "loss": loss_value, "attention_paths": dict(sim.attention_paths),
             "oracle_answers": dict(sim.oracle.answers)}
 
@@ -212,7 +213,8 @@ def simulate_step(spec: dict, layers: int, real: bool = False) -> dict:
             model, handle = build_simulated_model(spec, layers)
             sim = stack.enter_context(simulate(gpu))
             materialize_fake(model, sim.fake_mode, sim.torch_device)
-        step = tracked_step(model, step_inputs(spec, sim.torch_device, real), sim, real, spec.get("top", 10))
+        step = tracked_step(model, step_inputs(spec, sim.torch_device, real), sim, real, spec.get("top", 10),
+                            spec.get("clock", True))
     trainable = [p for p in model.parameters() if p.requires_grad]
     if handle is not None:
         handle.remove()
