@@ -20,7 +20,7 @@ GPU = Rates("test-gpu", {"bfloat16": 1e12, "float32": 1e11}, 1e11, {"bfloat16": 
 def _run(clock: StepClock, func, *args, flops: float = 0.0, **kwargs):
     out = func(*args, **kwargs)
     outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-    clock.op(func, args, kwargs, [a for a in args if isinstance(a, torch.Tensor)], outs, flops)
+    clock.op(func, args, [a for a in args if isinstance(a, torch.Tensor)], outs, flops)
     return out
 
 
@@ -66,10 +66,10 @@ def test_a_sync_makes_the_host_wait_and_a_copy_takes_the_link():
     _run(clock, aten._local_scalar_dense.default, torch.ones(()))
     assert clock.syncs == 1 and clock.host == pytest.approx(device_end)
     meta = torch.empty(1 << 20, device="meta")  # another device than the input's: a transfer
-    clock.op(aten._to_copy.default, (meta,), {"device": "cpu"}, [meta], [torch.empty(1 << 20)], 0.0)
+    clock.op(aten._to_copy.default, (meta,), [meta], [torch.empty(1 << 20)], 0.0)
     assert clock.by_kind["copies"] == pytest.approx(4 * (1 << 20) / 1e10) and clock.kernels == 1
     scalar = torch.tensor(2.0)  # a 0-dim CPU operand is a scalar, not a transfer
-    clock.op(aten.mul.Tensor, (meta, scalar), {}, [meta, scalar], [torch.empty(1 << 20, device="meta")], 0.0)
+    clock.op(aten.mul.Tensor, (meta, scalar), [meta, scalar], [torch.empty(1 << 20, device="meta")], 0.0)
     assert clock.kernels == 2
 
 

@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -189,7 +189,7 @@ class StepClock:
         self.flops = 0.0
         self.by_op: dict = {}  # kernel op name -> [launches, predicted seconds]
 
-    def op(self, func, args: tuple, kwargs: dict, inputs: list, outputs: list, flops: float) -> None:
+    def op(self, func, args: tuple, inputs: list, outputs: list, flops: float) -> None:
         r, packet = self.rates, func.overloadpacket
         if func.namespace == "prim":  # metadata queries (prim::device ...) a fake tensor dispatches, a real one not
             return
@@ -219,7 +219,7 @@ class StepClock:
             kind, compute = "memory_bound", 0.0
             rate = (r.transcendental_per_second if packet in TRANSCENDENTAL else
                     r.softmax_per_second if packet in SOFTMAX else None)
-            if rate and outputs:
+            if rate:
                 compute = max(t.numel() for t in outputs) / rate
         self.flops += flops
         seconds = max(compute, moved / r.memory_bytes_per_second, r.kernel_floor_seconds)
@@ -251,7 +251,3 @@ class StepClock:
                 "busiest_ops": [{"op": name, "launches": n, "seconds": t} for name, (n, t) in
                                 sorted(self.by_op.items(), key=lambda kv: -kv[1][1])[:12]]}
 
-
-def rates_table() -> list[dict]:
-    """Every card's constants with their sources (docs, --plan)."""
-    return [asdict(r) for r in RATES.values()]

@@ -118,7 +118,7 @@ class AllocationTracker(TorchDispatchMode):
             flops = formula(*shapes, **kwargs, out_val=out)
             self.flops[str(first.dtype).removeprefix("torch.")] += flops
         if self.clock is not None:
-            self.clock.op(func, args, kwargs, [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)],
+            self.clock.op(func, args, [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)],
                           [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)], flops)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
