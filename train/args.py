@@ -31,10 +31,10 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
               "inverse_sqrt")
 
 
-def _opt(default, help: str, choices=None, aliases: tuple[str, ...] = (), bpt_default: bool = False):
-    """A dataclass field carrying its --help text, allowed values, other flag spellings and (bpt_default) that its
-    None means "bpt.config.BPTConfig's value" as metadata. A help text that says "default" itself gets no
-    "(default: ...)" appended."""
+def flag(default, help: str, choices=None, aliases: tuple[str, ...] = (), bpt_default: bool = False):
+    """A dataclass field that is a command-line flag (of train.qlora's schema or train.eval's), carrying its --help
+    text, allowed values, other flag spellings and (bpt_default) that its None means "bpt.config.BPTConfig's value"
+    as metadata. A help text that says "default" itself gets no "(default: ...)" appended."""
     metadata = {"help": help, "aliases": tuple(aliases), "bpt_default": bpt_default}
     if choices is not None:
         metadata["choices"] = tuple(choices)
@@ -47,17 +47,17 @@ def _opt(default, help: str, choices=None, aliases: tuple[str, ...] = (), bpt_de
 class ModelArguments:
     """Model and precision"""
 
-    model_name_or_path: str | None = _opt(
+    model_name_or_path: str | None = flag(
         None, "Hub name or local directory of the base model. When no model is named (flag or --config), "
         "the embedded default run is used: the bundled train/assets/tiny-llama with the passkey data.")
-    trust_remote_code: bool = _opt(False, "Allow model code from the hub repository to run (off by default).")
-    bits: int = _opt(4, "Base weights: 4 = NF4 QLoRA with double quantisation, 8 = int8, 16 = not quantised "
+    trust_remote_code: bool = flag(False, "Allow model code from the hub repository to run (off by default).")
+    bits: int = flag(4, "Base weights: 4 = NF4 QLoRA with double quantisation, 8 = int8, 16 = not quantised "
                      "(bf16 on GPU, fp32 on CPU).", choices=(4, 8, 16))
-    rope_scaling: str | None = _opt(
+    rope_scaling: str | None = flag(
         None, "RoPE scaling used to run past the model's max_position_embeddings.", choices=ROPE_TYPES)
-    rope_factor: float | None = _opt(
+    rope_factor: float | None = flag(
         None, "RoPE scaling factor; default max_seq_len / the model's max_position_embeddings.")
-    mixed_precision: str | None = _opt(
+    mixed_precision: str | None = flag(
         None, "Autocast precision; default: the accelerate launch config's, else bf16 on a GPU that supports it, "
         "else no.", choices=("no", "fp16", "bf16"))
 
@@ -66,28 +66,28 @@ class ModelArguments:
 class DataArguments:
     """Data"""
 
-    dataset: str = _opt("passkey", "Hub dataset name, local json/jsonl/txt/parquet/csv file or directory, or "
+    dataset: str = flag("passkey", "Hub dataset name, local json/jsonl/txt/parquet/csv file or directory, or "
                         "'passkey' (built-in synthetic passkey-retrieval data).")
-    dataset_split: str = _opt("train", "Split of the dataset to train on.")
-    text_field: str = _opt("text", "Column holding the raw text (used when no prompt/response fields are given).")
-    prompt_field: str | None = _opt(None, "Column holding the prompt (loss is masked on it); needs --response_field.")
-    response_field: str | None = _opt(None, "Column holding the response the loss is computed on.")
-    packing: bool = _opt(True, "Pack documents into max_seq_len rows (position ids restart per document).")
-    max_seq_len: int = _opt(4096, "Tokens per training row.")
-    passkey_samples: int = _opt(256, "Number of synthetic examples when --dataset passkey.")
-    num_proc: int | None = _opt(None, "Processes for tokenisation (datasets.map num_proc).")
+    dataset_split: str = flag("train", "Split of the dataset to train on.")
+    text_field: str = flag("text", "Column holding the raw text (used when no prompt/response fields are given).")
+    prompt_field: str | None = flag(None, "Column holding the prompt (loss is masked on it); needs --response_field.")
+    response_field: str | None = flag(None, "Column holding the response the loss is computed on.")
+    packing: bool = flag(True, "Pack documents into max_seq_len rows (position ids restart per document).")
+    max_seq_len: int = flag(4096, "Tokens per training row.")
+    passkey_samples: int = flag(256, "Number of synthetic examples when --dataset passkey.")
+    num_proc: int | None = flag(None, "Processes for tokenisation (datasets.map num_proc).")
 
 
 @dataclass
 class LoraArguments:
     """LoRA"""
 
-    lora_r: int = _opt(16, "LoRA rank.")
-    lora_alpha: float = _opt(32.0, "LoRA alpha (the update is scaled by alpha / r).")
-    lora_dropout: float = _opt(0.05, "Dropout on the LoRA input.")
-    lora_target_modules: list[str] = _opt(
+    lora_r: int = flag(16, "LoRA rank.")
+    lora_alpha: float = flag(32.0, "LoRA alpha (the update is scaled by alpha / r).")
+    lora_dropout: float = flag(0.05, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] = flag(
         ["all-linear"], "Module names to adapt (space or comma separated), or all-linear.")
-    train_embeddings_and_norms: bool = _opt(
+    train_embeddings_and_norms: bool = flag(
         False, "LongLoRA style: also train the input embeddings and all norm layers (saved with the adapter).")
 
 
@@ -98,15 +98,15 @@ BPT_SIZES = ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "norm_chunk")  # 
 class BPTArguments:
     """Blockwise (BPT) patch"""
 
-    bpt: bool = _opt(True, "Patch the model with blockwise attention / MLP / loss (apply_bpt_patch).")
-    q_block: int | None = _opt(None, "Query block size of blockwise attention.", bpt_default=True)
-    kv_block: int | None = _opt(None, "Key/value block size of blockwise attention.", bpt_default=True)
-    mlp_chunk: int | None = _opt(None, "Tokens per chunk of the chunked MLP.", bpt_default=True)
-    loss_chunk: int | None = _opt(None, "Tokens per chunk of the chunked LM head + loss.", bpt_default=True)
-    norm_chunk: int | None = _opt(None, "Tokens per chunk of a norm's backward (its fp32 temporaries).",
+    bpt: bool = flag(True, "Patch the model with blockwise attention / MLP / loss (apply_bpt_patch).")
+    q_block: int | None = flag(None, "Query block size of blockwise attention.", bpt_default=True)
+    kv_block: int | None = flag(None, "Key/value block size of blockwise attention.", bpt_default=True)
+    mlp_chunk: int | None = flag(None, "Tokens per chunk of the chunked MLP.", bpt_default=True)
+    loss_chunk: int | None = flag(None, "Tokens per chunk of the chunked LM head + loss.", bpt_default=True)
+    norm_chunk: int | None = flag(None, "Tokens per chunk of a norm's backward (its fp32 temporaries).",
                                   bpt_default=True)
-    bpt_compile: bool | None = _opt(None, "torch.compile the per-block functions; default: only on CUDA.")
-    offload_checkpoints: bool = _opt(False, "Keep the layer checkpoints in host memory (pinned, copied on a side "
+    bpt_compile: bool | None = flag(None, "torch.compile the per-block functions; default: only on CUDA.")
+    offload_checkpoints: bool = flag(False, "Keep the layer checkpoints in host memory (pinned, copied on a side "
                                      "stream, prefetched one layer ahead): device memory then no longer grows with "
                                      "layers x tokens; host memory does. Needs gradient checkpointing.")
 
@@ -115,55 +115,55 @@ class BPTArguments:
 class TrainArguments:
     """Training loop and outputs"""
 
-    output_dir: str = _opt("outputs/qlora-run", "Where checkpoints, metrics.jsonl and the final adapter go.")
-    overwrite_output_dir: bool = _opt(False, "Start over in an output_dir that holds a finished run or checkpoints.")
-    per_device_train_batch_size: int = _opt(1, "Rows per micro-batch on each device.")
-    gradient_accumulation_steps: int = _opt(1, "Micro-batches per optimizer step.")
-    learning_rate: float = _opt(2e-4, "Peak learning rate.")
-    weight_decay: float = _opt(0.0, "AdamW weight decay.")
-    lr_scheduler_type: str = _opt("cosine", "Learning-rate schedule (transformers.get_scheduler).", choices=SCHEDULERS)
-    warmup_steps: int = _opt(0, "Linear warm-up steps.")
-    max_steps: int = _opt(-1, "Optimizer steps to run; -1 = run --num_train_epochs.")
-    num_train_epochs: float = _opt(1.0, "Epochs over the dataset (used when --max_steps is -1).")
-    optim: str = _opt("adamw", "Optimizer: torch AdamW or bitsandbytes paged 8-bit AdamW.",
+    output_dir: str = flag("outputs/qlora-run", "Where checkpoints, metrics.jsonl and the final adapter go.")
+    overwrite_output_dir: bool = flag(False, "Start over in an output_dir that holds a finished run or checkpoints.")
+    per_device_train_batch_size: int = flag(1, "Rows per micro-batch on each device.")
+    gradient_accumulation_steps: int = flag(1, "Micro-batches per optimizer step.")
+    learning_rate: float = flag(2e-4, "Peak learning rate.")
+    weight_decay: float = flag(0.0, "AdamW weight decay.")
+    lr_scheduler_type: str = flag("cosine", "Learning-rate schedule (transformers.get_scheduler).", choices=SCHEDULERS)
+    warmup_steps: int = flag(0, "Linear warm-up steps.")
+    max_steps: int = flag(-1, "Optimizer steps to run; -1 = run --num_train_epochs.")
+    num_train_epochs: float = flag(1.0, "Epochs over the dataset (used when --max_steps is -1).")
+    optim: str = flag("adamw", "Optimizer: torch AdamW or bitsandbytes paged 8-bit AdamW.",
                       choices=("adamw", "paged_adamw_8bit"))
-    max_grad_norm: float = _opt(1.0, "Gradient clipping norm; 0 disables clipping.")
-    gradient_checkpointing: bool = _opt(True, "Recompute layer activations in backward (use_reentrant=False).")
-    sequence_parallel: int = _opt(
+    max_grad_norm: float = flag(1.0, "Gradient clipping norm; 0 disables clipping.")
+    gradient_checkpointing: bool = flag(True, "Recompute layer activations in backward (use_reentrant=False).")
+    sequence_parallel: int = flag(
         1, "Split every sequence over N processes (of those accelerate launch starts; data parallel over the "
         "groups). Needs the patch; the number of processes must be a multiple of N. Losses equal a one-process run's "
         "only with --lora_dropout 0: each process draws its own dropout masks for its shard.")
-    tensor_parallel: int = _opt(
+    tensor_parallel: int = flag(
         1, "Split every q/k/v/o and MLP layer (heads, MLP channels) over N processes, Megatron style (of those "
         "accelerate launch starts; data parallel over the groups; the number of processes must be a multiple of N). "
         "Families with a plain colwise / rowwise tp plan in transformers; at --bits 4 each slice must hold whole "
         "64-weight quantisation blocks. With --sequence_parallel M: groups of N x M processes, each sequence split M "
         "ways over ranks holding the same slices. With --fsdp each slice is sharded over the ranks holding it.")
-    sp_mode: str = _opt("ring", "Sequence-parallel attention: ring (any head count; not ALiBi-bias families or "
+    sp_mode: str = flag("ring", "Sequence-parallel attention: ring (any head count; not ALiBi-bias families or "
                         "attention sinks) or ulysses (query heads must divide by N).", choices=("ring", "ulysses"))
-    fsdp: bool = _opt(False, "Shard the (4-bit) base and LoRA over every process with FSDP2 (torch fully_shard), so "
+    fsdp: bool = flag(False, "Shard the (4-bit) base and LoRA over every process with FSDP2 (torch fully_shard), so "
                       "a model too large for one device trains (with --tensor_parallel N: each slice over the "
                       "processes holding it); also on when launched with an accelerate FSDP config.")
-    fsdp_cpu_offload: bool = _opt(False, "With --fsdp: keep each process's weight shards, gradients and optimizer "
+    fsdp_cpu_offload: bool = flag(False, "With --fsdp: keep each process's weight shards, gradients and optimizer "
                                   "state in host memory (FSDP2 CPUOffloadPolicy, pinned on GPUs); each layer's shards "
                                   "come to the device for its compute, and the optimizer steps on the CPU.")
-    seed: int = _opt(42, "Seed for LoRA init, data order and dropout.")
-    torch_threads: int | None = _opt(
+    seed: int = flag(42, "Seed for LoRA init, data order and dropout.")
+    torch_threads: int | None = flag(
         None, "CPU threads per process for torch ops (torch.set_num_threads); default: torch's own. 1 is fastest "
         "for tiny models on a shared CPU, where threads spin-wait on each other.")
-    save_steps: int = _opt(200, "Write checkpoint-N every N optimizer steps; 0 = no intermediate checkpoints.")
-    save_minutes: float = _opt(30.0, "Also write checkpoint-N when this many minutes have passed since the last one "
+    save_steps: int = flag(200, "Write checkpoint-N every N optimizer steps; 0 = no intermediate checkpoints.")
+    save_minutes: float = flag(30.0, "Also write checkpoint-N when this many minutes have passed since the last one "
                                "(or the start), so a crash loses at most that much work; 0 = by --save_steps only.")
-    logging_steps: int = _opt(1, "Log (metrics.jsonl, trackers) every N optimizer steps.")
-    resume_from_checkpoint: str | None = _opt(
+    logging_steps: int = flag(1, "Log (metrics.jsonl, trackers) every N optimizer steps.")
+    resume_from_checkpoint: str | None = flag(
         None, "Checkpoint directory to resume from, or 'latest' for the newest checkpoint-N in output_dir.")
-    report_to: str = _opt("none", "Experiment tracker (accelerate trackers).", choices=("none", "tensorboard", "wandb"))
-    merge: bool = _opt(False, "Also write the base merged with the adapter (unquantised) to output_dir/merged.")
-    plan: str | None = _opt(
+    report_to: str = flag("none", "Experiment tracker (accelerate trackers).", choices=("none", "tensorboard", "wandb"))
+    merge: bool = flag(False, "Also write the base merged with the adapter (unquantised) to output_dir/merged.")
+    plan: str | None = flag(
         None, "Only plan: simulate one training step of this run on this GPU (nothing downloaded, no weights "
         "loaded), print its predicted peak memory, whether it fits, the longest --max_seq_len that fits and the "
         "largest tensors at the peak, then exit without training.", choices=PLAN_DEVICES)
-    skip_memory_check: bool = _opt(
+    skip_memory_check: bool = flag(
         False, "Train even when the memory preflight refuses the run: before any data or weights load, this run's "
         "step, evaluation and --dataset passkey rows are estimated (--plan's simulation, on this CPU or GPU) and a "
         "run needing over 1.25x the memory available is stopped with the longest --max_seq_len that fits.")
@@ -173,15 +173,15 @@ class TrainArguments:
 class EvalArguments:
     """Evaluation before and after training"""
 
-    eval_passkey: bool = _opt(False, "Evaluate before and after training (eval.json): the --eval_tasks (passkey "
+    eval_passkey: bool = flag(False, "Evaluate before and after training (eval.json): the --eval_tasks (passkey "
                               "retrieval accuracy unless given).")
-    eval_tasks: list[str] | None = _opt(
+    eval_tasks: list[str] | None = flag(
         None, "Tasks of the evaluation before and after training (train.tasks: passkey, niah_single, niah_multikey, "
         "niah_multivalue, niah_multiquery, variable_tracking, ...); giving them turns the evaluation on. Default: "
         "passkey.")
-    eval_lengths: list[int] | None = _opt(None, "Context lengths of the passkey evaluation; default: max_seq_len.")
-    eval_depths: list[float] = _opt([0.1, 0.5, 0.9], "Relative depths of the passkey in the context.")
-    eval_trials: int = _opt(4, "Passkey trials per (length, depth).")
+    eval_lengths: list[int] | None = flag(None, "Context lengths of the passkey evaluation; default: max_seq_len.")
+    eval_depths: list[float] = flag([0.1, 0.5, 0.9], "Relative depths of the passkey in the context.")
+    eval_trials: int = flag(4, "Passkey trials per (length, depth).")
 
 
 GROUPS = (ModelArguments, DataArguments, LoraArguments, BPTArguments, TrainArguments, EvalArguments)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from train import run_dir
-from train.args import TINY_LLAMA_DIR, _opt, build_parser, parse_tokens
+from train.args import TINY_LLAMA_DIR, flag, build_parser, parse_tokens
 from train.deepspeed import LAUNCHER_ENV as DEEPSPEED_LAUNCH_ENV
 from train.errors import UserError
 from train.eval_results import check_earlier, merge_results, rope_text, same_model
@@ -56,62 +56,62 @@ DEFAULT_OUTPUT_DIR = "outputs/eval"  # results of a model evaluated without --ad
 class EvalArgs:
     """Model and measurements"""
 
-    adapter: str | None = _opt(
+    adapter: str | None = flag(
         None, "output_dir of a train.qlora run (or a checkpoint-N): evaluates the model it trained, with the base, "
         "RoPE scaling and bits it records; the flags below override them. No default: without it, --model_name_or_path.")
-    model_name_or_path: str | None = _opt(
+    model_name_or_path: str | None = flag(
         None, "Base model (default: the run's with --adapter, else the shipped tiny model).")
-    rope_scaling: str | None = _opt(None, "RoPE scaling, applied as train.qlora applies it (default: the run's, else "
+    rope_scaling: str | None = flag(None, "RoPE scaling, applied as train.qlora applies it (default: the run's, else "
                                     "none).", choices=ROPE_TYPES, aliases=("--rope_type",))
-    rope_factor: float | None = _opt(
+    rope_factor: float | None = flag(
         None, "RoPE scaling factor (default with --rope_scaling: the longest --lengths over the model's positions, "
         "as training derives it from --max_seq_len).")
-    bits: int | None = _opt(None, "Base weights: 4 = NF4, 8 = int8, 16 = unquantised (default: the run's, else 16).",
+    bits: int | None = flag(None, "Base weights: 4 = NF4, 8 = int8, 16 = unquantised (default: the run's, else 16).",
                             choices=(4, 8, 16))
-    load_in_4bit: bool = _opt(False, "Same as --bits 4.")
-    tasks: list[str] | None = _opt(
+    load_in_4bit: bool = flag(False, "Same as --bits 4.")
+    tasks: list[str] | None = flag(
         None, f"Tasks to evaluate, each a table of accuracy by length x depth (train.tasks): {', '.join(TASKS)} "
         "(default: the run's --eval_tasks, else passkey).")
-    lengths: list[int] | None = _opt(None, "Context lengths of every task (default: the run's evaluation, else 256 "
+    lengths: list[int] | None = flag(None, "Context lengths of every task (default: the run's evaluation, else 256 "
                                      "1024).")
-    depths: list[float] | None = _opt(
+    depths: list[float] | None = flag(
         None, f"Depths of the needle asked about (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))}).")
-    trials: int | None = _opt(None, "Trials per (length, depth) (default: the run's, else 5).")
-    seed: int | None = _opt(None, "Prompt seed (default: the run's evaluation seed, else 0).")
-    batch_size: int = _opt(8, "Prompts decoded together (bounds memory); lm-eval's, left-padded to the longest.")
-    dataset: str | None = _opt(None, "Held-out documents for perplexity (local file/dir or hub name); no default: "
+    trials: int | None = flag(None, "Trials per (length, depth) (default: the run's, else 5).")
+    seed: int | None = flag(None, "Prompt seed (default: the run's evaluation seed, else 0).")
+    batch_size: int = flag(8, "Prompts decoded together (bounds memory); lm-eval's, left-padded to the longest.")
+    dataset: str | None = flag(None, "Held-out documents for perplexity (local file/dir or hub name); no default: "
                                "without it, no perplexity.")
-    text_field: str = _opt("text", "Column of --dataset holding the documents.")
-    max_seq_len: int | None = _opt(None, "Perplexity context (default: the largest --lengths).")
-    max_docs: int = _opt(100, "At most this many documents of --dataset are scored.")
-    ppl_buckets: int = _opt(8, "Perplexity is also reported for this many equal ranges of positions in a chunk "
+    text_field: str = flag("text", "Column of --dataset holding the documents.")
+    max_seq_len: int | None = flag(None, "Perplexity context (default: the largest --lengths).")
+    max_docs: int = flag(100, "At most this many documents of --dataset are scored.")
+    ppl_buckets: int = flag(8, "Perplexity is also reported for this many equal ranges of positions in a chunk "
                             "([0, L/8), [L/8, L/4), ... with 8): whether the model uses the far context. Each range "
                             "is one forward per chunk; 1 for a single forward.")
-    sequence_parallel: int = _opt(
+    sequence_parallel: int = flag(
         1, "Split every prompt and document over groups of N processes (launch W processes, W a multiple of N, with "
         "accelerate launch or torchrun): each holds 1/N of the sequence, so a length that a training step fits "
         "evaluates in the same memory per process. Results equal one process's; the main process writes them.")
-    sp_mode: str = _opt("ring", "Sequence-parallel attention with --sequence_parallel: ring or ulysses (query "
+    sp_mode: str = flag("ring", "Sequence-parallel attention with --sequence_parallel: ring or ulysses (query "
                         "heads must divide by N).", choices=("ring", "ulysses"))
-    tensor_parallel: int = _opt(
+    tensor_parallel: int = flag(
         1, "Slice every layer over groups of N processes, as train.qlora --tensor_parallel does (its checks, its "
         "slicing); composes with --sequence_parallel (launch a multiple of N x SP processes).")
-    fsdp: bool = _opt(False, "Shard the weights over every process with FSDP2, as train.qlora --fsdp does (also on "
+    fsdp: bool = flag(False, "Shard the weights over every process with FSDP2, as train.qlora --fsdp does (also on "
                       "when launched with an accelerate FSDP config); composes with --sequence_parallel.")
-    lm_eval_tasks: list[str] | None = _opt(
+    lm_eval_tasks: list[str] | None = flag(
         None, "lm-evaluation-harness's RULER tasks (pip install -e \".[ruler]\"), run by lm-eval's own HF wrapper on "
         "the patched model at each --lengths: ruler (all of these) or some of niah_single_1, niah_multikey_2, "
         "niah_multikey_3, ruler_vt, ruler_cwe, ruler_fwe (the others download data). With it, --tasks runs only "
         "when named.")
-    lm_eval_limit: int | None = _opt(None, "The first N of lm-eval's prompts per task and length (default: all 500, "
+    lm_eval_limit: int | None = flag(None, "The first N of lm-eval's prompts per task and length (default: all 500, "
                                      "RULER's count).")
-    lm_eval_stock: bool = _opt(False, "Run --lm_eval_tasks on the unpatched model (stock transformers), to compare.")
-    output_json: str | None = _opt(
+    lm_eval_stock: bool = flag(False, "Run --lm_eval_tasks on the unpatched model (stock transformers), to compare.")
+    output_json: str | None = flag(
         None, "Where the results go (default: ADAPTER/eval_results.json with --adapter, else outputs/eval/<model "
         "directory name>.json). An earlier call's results there are kept: this call's tasks and lengths replace the "
         "same ones, the others stay (the output line says which); a file of another model or other --depths, "
         "--trials, --seed or --bits is refused (see --overwrite).")
-    overwrite: bool = _opt(False, "Replace the results already in --output_json instead of merging into them.")
+    overwrite: bool = flag(False, "Replace the results already in --output_json instead of merging into them.")
 
 
 # ---------------------------------------------------------------- what to evaluate

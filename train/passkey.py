@@ -66,7 +66,7 @@ def random_key(rng: random.Random, digits: int = DEFAULT_KEY_DIGITS) -> str:
     return str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
 
 
-class _PieceEncoder:
+class PieceEncoder:
     """Tokenizes text pieces (with a leading space, no special tokens), caching repeats.
 
     The filler grammar repeats sentences often, so the cache makes building thousands of prompts cheap.
@@ -91,18 +91,18 @@ class _PieceEncoder:
 _ENCODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _encoder_for(tokenizer) -> _PieceEncoder:
+def encoder_for(tokenizer) -> PieceEncoder:
     """One caching encoder per tokenizer object, shared by every function here."""
     try:
         encoder = _ENCODERS.get(tokenizer)
         if encoder is None:
-            encoder = _ENCODERS[tokenizer] = _PieceEncoder(tokenizer)
+            encoder = _ENCODERS[tokenizer] = PieceEncoder(tokenizer)
         return encoder
     except TypeError:  # not weak-referenceable: no sharing, still correct
-        return _PieceEncoder(tokenizer)
+        return PieceEncoder(tokenizer)
 
 
-def _filler_pieces(encode: _PieceEncoder, n_tokens: int, rng: random.Random) -> list[list[int]]:
+def filler_pieces(encode: PieceEncoder, n_tokens: int, rng: random.Random) -> list[list[int]]:
     """Whole filler sentences totalling exactly n_tokens (the last one cut to fit)."""
     pieces, total = [], 0
     while total < n_tokens:
@@ -112,7 +112,7 @@ def _filler_pieces(encode: _PieceEncoder, n_tokens: int, rng: random.Random) -> 
     return pieces
 
 
-def _build_prompt(encode: _PieceEncoder, length: int, depth: float, key: str, rng) -> list[int]:
+def _build_prompt(encode: PieceEncoder, length: int, depth: float, key: str, rng) -> list[int]:
     if not 0.0 <= depth <= 1.0:
         raise UserError(f"passkey depth {depth} is outside [0, 1]; use 0 (start) to 1 (end of the context)")
     key_ids, question_ids = encode(key_line(key)), encode(QUESTION)
@@ -120,7 +120,7 @@ def _build_prompt(encode: _PieceEncoder, length: int, depth: float, key: str, rn
     if budget < 0:
         raise UserError(f"passkey length {length} is too short: the key line and question alone take "
                         f"{length - budget} tokens; use a length of at least {length - budget + 16}")
-    pieces = _filler_pieces(encode, budget, rng)
+    pieces = filler_pieces(encode, budget, rng)
     # Insert the key line at the sentence boundary nearest to the requested depth.
     boundaries, acc = [0], 0
     for p in pieces:
@@ -144,7 +144,7 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str, seed) -> tupl
     depth 0 puts the key line right after BOS, 1 right before the question. `seed` (int or
     random.Random) drives the filler.
     """
-    encode = _encoder_for(tokenizer)
+    encode = encoder_for(tokenizer)
     prompt = _build_prompt(encode, length, depth, str(key), _as_rng(seed))
     return prompt, encode(str(key))
 
@@ -157,14 +157,14 @@ def passkey_case(tokenizer, length: int, depth: float, key: str, seed) -> tuple[
 
 def min_passkey_length(tokenizer, key_digits: int = DEFAULT_KEY_DIGITS) -> int:
     """Shortest sample (prompt + answer + EOS, no filler) for keys of key_digits digits."""
-    encode, key = _encoder_for(tokenizer), "9" * key_digits
+    encode, key = encoder_for(tokenizer), "9" * key_digits
     return (len(encode.prefix) + len(encode(key_line(key))) + len(encode(QUESTION)) + len(encode(key))
             + len(_eos(tokenizer)))
 
 
 def passkey_answer(tokenizer, key: str) -> list[int]:
     """The answer ids that follow a prompt: " <key>"."""
-    return _encoder_for(tokenizer)(str(key))
+    return encoder_for(tokenizer)(str(key))
 
 
 def passkey_sample(tokenizer, length: int, seed, *, key_digits: int = DEFAULT_KEY_DIGITS) -> tuple[list[int], int]:
@@ -200,6 +200,6 @@ def passkey_dataset(tokenizer, n: int, length: int, seed: int, *, key_digits: in
 
 def filler_document(tokenizer, length: int, seed) -> list[int]:
     """Exactly `length` tokens of filler (BOS if the tokenizer adds one, sentences, EOS); no key."""
-    encode, eos = _encoder_for(tokenizer), _eos(tokenizer)
-    pieces = _filler_pieces(encode, max(0, length - len(encode.prefix) - len(eos)), _as_rng(seed))
+    encode, eos = encoder_for(tokenizer), _eos(tokenizer)
+    pieces = filler_pieces(encode, max(0, length - len(encode.prefix) - len(eos)), _as_rng(seed))
     return (encode.prefix + [t for p in pieces for t in p] + eos)[:length]

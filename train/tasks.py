@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from train.errors import UserError
-from train.passkey import _encoder_for, _filler_pieces
+from train.passkey import encoder_for, filler_pieces
 
 ANSWER_SLACK = 4  # tokens generated per expected string beyond the answer's own length: room for separators
 # ("and", "VAR ") and for a longer (wrong) answer to be seen
@@ -143,7 +143,7 @@ def _assemble(encode, length: int, head: str, needles: list[tuple[float, str]], 
         raise TooShort(f"{task} length {length} is too short for this tokenizer: its instruction, needles, "
                        f"question and answer alone take {fixed} tokens; use lengths of at least {fixed + 32}",
                        fixed + 32)
-    pieces = _filler_pieces(encode, budget, rng)
+    pieces = filler_pieces(encode, budget, rng)
     boundaries = [0]
     for piece in pieces:
         boundaries.append(boundaries[-1] + len(piece))
@@ -246,7 +246,7 @@ def check_task_names(names, flag: str = "--tasks") -> list[str]:
 def build_case(tokenizer, task: str, length: int, depth: float, rng) -> Case:
     """One prompt of `task`; prompt + max_new_tokens is exactly `length` tokens."""
     rng = rng if isinstance(rng, random.Random) else random.Random(rng)
-    return TASKS[task].build(_encoder_for(tokenizer), length, depth, rng, task=task)
+    return TASKS[task].build(encoder_for(tokenizer), length, depth, rng, task=task)
 
 
 def check_task_lengths(tokenizer, tasks, lengths) -> None:
