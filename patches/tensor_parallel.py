@@ -181,7 +181,7 @@ def _slice_4bit(layer, style: str, rank: int, size: int, parts=None) -> None:
         absmax = dequantize_blockwise(state.absmax, state.state2)
         absmax += state.offset
     absmax = absmax.float()
-    storage = weight.data.dtype  # uint8, or a float dtype holding the same bytes (FSDP: train.model)
+    storage = weight.data.dtype  # uint8, or a float dtype holding the same bytes (FSDP: train.recipe.model)
     packed = weight.data.reshape(-1).view(torch.uint8)  # two weights a byte
     if style == "colwise":
         ranges = row_ranges(out_features, parts, rank, size)

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from train import qlora
+from train.run import qlora
 
 
 def stored_bytes(model) -> dict[str, int]:

@@ -190,7 +190,7 @@ def test_every_flag_has_help_with_its_default():
 
 def test_flag_names_are_the_trainers():
     """--torch_threads and --bpt_compile / --no_bpt_compile as in python -m train.qlora, with its value sets."""
-    from train.args import schema_fields
+    from train.recipe.args import schema_fields
 
     trainer = schema_fields()
     assert trainer["torch_threads"].type == "int | None" and trainer["bpt_compile"].type == "bool | None"

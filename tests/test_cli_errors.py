@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from cli_helpers import ENV, REPO, base_argv
-from train.args import parse_args
-from train.qlora import main, run
+from train.recipe.args import parse_args
+from train.run.qlora import main, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,7 +146,7 @@ def test_user_error_under_accelerate_launch_is_one_line_from_the_main_process(ti
 
 def test_a_worker_exits_0_only_when_its_machines_first_worker_is_leaving_too(tmp_path, monkeypatch):
     """torchrun's layout of error files; the first worker's file is what tells the others it reports the failure."""
-    from train import lifecycle
+    from train.recipe import lifecycle
 
     attempt = tmp_path / "run" / "attempt_0"
     monkeypatch.setattr(lifecycle, "PEER_WAIT_S", 0.2)

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from cli_helpers import ENV, REPO, base_argv, metrics
-from train import checkpoint, lifecycle
-from train.lifecycle import Interrupted, interrupted_message, resume_command
-from train.qlora import main
+from train.recipe import checkpoint, lifecycle
+from train.recipe.lifecycle import Interrupted, interrupted_message, resume_command
+from train.run.qlora import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

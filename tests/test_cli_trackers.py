@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import base_argv, losses
-from train.args import parse_args
-from train.qlora import run
+from train.recipe.args import parse_args
+from train.run.qlora import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""train.data and train.passkey: loading, tokenizing, packing, collating, passkey prompts."""
+"""train.recipe.data and train.recipe.passkey: loading, tokenizing, packing, collating, passkey prompts."""
 import json
 
 import datasets
@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 import torch
 
-from train.data import Collator, DataWarning, build_train_dataset, load_text_dataset
+from train.recipe.data import Collator, DataWarning, build_train_dataset, load_text_dataset
 from train.errors import UserError
-from train.passkey import QUESTION, key_line, passkey_dataset, passkey_prompt
+from train.recipe.passkey import QUESTION, key_line, passkey_dataset, passkey_prompt
 from train.pretrain_tiny import build_tokenizer
 
 DOCS = ["The cat sat.", "A much longer second document, with commas.", "Third!"]

@@ -85,8 +85,8 @@ def test_every_relative_link_of_the_pages_reaches_a_file():
 # Each command line interface's parsing step, called with a command's arguments: it parses and checks the flags and
 # loads nothing. An entry named `main` builds its parser inside: it is stopped right after that parser has parsed.
 PARSERS = {
-    "train.qlora": "train.args:parse_args",  # the flags, the --config YAML and their checks
-    "train.eval": "train.eval:parse_args",
+    "train.qlora": "train.recipe.args:parse_args",  # the flags, the --config YAML and their checks
+    "train.eval": "train.evaluation.eval:parse_args",
     "train.pretrain_tiny": "train.pretrain_tiny:parse_args",
     "bpt.bench": "bpt.bench.cli:main",
     "bpt.bench.plot": "bpt.bench.plot:main",

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from cli_helpers import error_line, save_tiny_llama
-from train.eval import main
-from train.eval_results import merge_results
+from train.evaluation.eval import main
+from train.evaluation.eval_results import merge_results
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-from train.args import TINY_LLAMA_DIR
-from train.eval import load_for_eval, main, parse_args
+from train.recipe.args import TINY_LLAMA_DIR
+from train.evaluation.eval import load_for_eval, main, parse_args
 
 TRAIN_LENGTH = 256  # twice the base's 128 positions: RoPE x2
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared CPU: one thread (conftest)
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared CP
 def trained(tmp_path_factory):
     """(base dir, finished run dir) of a 2-step 4-bit YaRN run with its passkey evaluation."""
     from cli_helpers import save_tiny_llama
-    from train.args import parse_args as train_args
-    from train.qlora import run
+    from train.recipe.args import parse_args as train_args
+    from train.run.qlora import run
 
     root = tmp_path_factory.mktemp("reads_run")
     save_tiny_llama(root / "base")
@@ -49,7 +49,7 @@ def warnings_in(text: str) -> list[str]:
 
 
 def test_adapter_alone_loads_the_runs_base_rope_and_bits(trained):
-    from train.model import load_trained
+    from train.recipe.model import load_trained
 
     _, run_dir = trained
     info = run_info(run_dir)
@@ -60,7 +60,7 @@ def test_adapter_alone_loads_the_runs_base_rope_and_bits(trained):
     assert config.rope_parameters == info["rope_parameters"] and config.rope_parameters["rope_type"] == "yarn"
     assert config.max_position_embeddings == info["max_position_embeddings"] == TRAIN_LENGTH
     assert args.bits == info["bits"] == 4 and is_4bit(model)
-    # The same model train.model.load_trained rebuilds, to the bit.
+    # The same model train.recipe.model.load_trained rebuilds, to the bit.
     reference, _ = load_trained(str(run_dir))
     probe = torch.randint(3, 60, (2, TRAIN_LENGTH), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -69,7 +69,7 @@ def test_adapter_alone_loads_the_runs_base_rope_and_bits(trained):
 
 
 def test_cli_adapter_alone_repeats_the_runs_passkey_evaluation(trained, tmp_path, capsys):
-    from train.metrics import EVAL_SEED
+    from train.evaluation.metrics import EVAL_SEED
 
     _, run_dir = trained
     out = tmp_path / "eval.json"
@@ -107,8 +107,8 @@ def test_checkpoint_without_run_info_takes_the_base_from_adapter_config(trained,
 
 def training_config(base, tmp_path, *flags):
     """The config train.qlora's preflight builds (RoPE scaling applied), no weights loaded."""
-    from train.args import parse_args as train_args
-    from train.qlora import preflight
+    from train.recipe.args import parse_args as train_args
+    from train.run.qlora import preflight
 
     return preflight(train_args(["--model_name_or_path", str(base), "--output_dir", str(tmp_path / "unused"),
                                  "--max_seq_len", str(TRAIN_LENGTH), *flags])).config
@@ -150,7 +150,7 @@ def test_flags_override_the_run_with_one_warning_line_each(trained, tmp_path, ca
 
 
 def test_rope_factor_alone_keeps_the_runs_rope_type(trained, capsys):
-    from train.eval import plan_model
+    from train.evaluation.eval import plan_model
 
     _, run_dir = trained
     plan = plan_model(parse_args(["--adapter", str(run_dir), "--rope_factor", "3"]))  # configs only, no weights
@@ -160,7 +160,7 @@ def test_rope_factor_alone_keeps_the_runs_rope_type(trained, capsys):
 
 
 def test_bad_input_is_one_error_line_before_loading_weights(trained, tmp_path, capsys, monkeypatch):
-    import train.model
+    import train.recipe.model
 
     base, run_dir = trained
     empty = tmp_path / "empty"
@@ -173,7 +173,7 @@ def test_bad_input_is_one_error_line_before_loading_weights(trained, tmp_path, c
     def no_weights(*_, **__):
         raise AssertionError("weights loaded before the input was checked")
 
-    monkeypatch.setattr(train.model, "load_base", no_weights)
+    monkeypatch.setattr(train.recipe.model, "load_base", no_weights)
     cases = {str(tmp_path / "nope"): "does not exist", str(empty): "no LoRA adapter",
              str(moved): "--model_name_or_path"}
     for adapter, expected in cases.items():

@@ -15,8 +15,8 @@ import pytest
 
 from cli_helpers import ENV, REPO
 from gloo_processes import free_port
-from train.args import TINY_LLAMA_DIR
-from train.eval import main
+from train.recipe.args import TINY_LLAMA_DIR
+from train.evaluation.eval import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,7 +94,7 @@ def test_two_processes_in_a_training_layout_equal_one_process(tmp_path, one_proc
      "so they must divide by 8; use --sp_mode ring or fewer tensor-parallel ranks"),
 ], ids=["sp_world", "tp_x_sp_world", "fsdp_int8", "ulysses_local_heads"])
 def test_what_training_refuses_is_refused_with_its_line(tmp_path, capsys, monkeypatch, world, extra, message):
-    """training's own checks and messages (train.parallel, train.fsdp), before any weights are read. The launcher's
+    """training's own checks and messages (train.parallel, train.parallel.fsdp), before any weights are read. The launcher's
     WORLD_SIZE is all the checks read, so one process stands for a launch of `world`."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
     data = tmp_path / "docs.jsonl"

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from cli_helpers import base_argv, error_line, save_tiny_llama
-from train.eval import main
-from train.tasks import TASKS
+from train.evaluation.eval import main
+from train.evaluation.tasks import TASKS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SHAPE = {"by_length_depth", "by_length", "accuracy"}
@@ -59,8 +59,8 @@ def test_qlora_eval_tasks_before_and_after_with_tracker_scalars(tiny, tmp_path, 
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from train.args import parse_args
-    from train.qlora import run
+    from train.recipe.args import parse_args
+    from train.run.qlora import run
 
     out = tmp_path / "run"
     run(parse_args(base_argv(tiny, out, "--max_steps", 2, "--report_to", "tensorboard", "--eval_tasks", "niah_single",
@@ -94,7 +94,7 @@ def test_qlora_eval_tasks_before_and_after_with_tracker_scalars(tiny, tmp_path, 
 
 
 def test_qlora_bad_eval_task_is_one_error_line(tiny, tmp_path, capsys):
-    from train.qlora import main as qlora_main
+    from train.run.qlora import main as qlora_main
 
     assert qlora_main(base_argv(tiny, tmp_path / "run", "--eval_tasks", "vt")) == 2
     line = error_line(capsys)
@@ -105,7 +105,7 @@ def test_eval_tasks_help_names_only_registered_tasks():
     import dataclasses
     import re
 
-    from train.args import EvalArguments
+    from train.recipe.args import EvalArguments
 
     help_text = next(f for f in dataclasses.fields(EvalArguments) if f.name == "eval_tasks").metadata["help"]
     named = re.findall(r"\b(passkey|niah_\w+|variable_tracking)\b", help_text)

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from cli_helpers import ENV, REPO, base_argv, error_line, metrics
-from train import checkpoint, loop
-from train.qlora import main
+from train.recipe import checkpoint
+from train.run import loop
+from train.run.qlora import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""train.metrics.perplexity_by_position: the per-position-bucket NLL equals a direct computation from the logits,
+"""train.evaluation.metrics.perplexity_by_position: the per-position-bucket NLL equals a direct computation from the logits,
 its overall figure is perplexity()'s, and python -m train.eval writes the breakdown."""
 import json
 import math
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from train.metrics import perplexity, perplexity_by_position, position_buckets
+from train.evaluation.metrics import perplexity, perplexity_by_position, position_buckets
 from train.pretrain_tiny import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,7 +59,7 @@ def test_bucket_nll_matches_the_logits(model, tok):
 
 
 def test_cli_writes_the_breakdown(model, tok, tmp_path, capsys):
-    from train.eval import main
+    from train.evaluation.eval import main
 
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")

@@ -1,11 +1,11 @@
-"""train.plots: the loss curve and the accuracy heatmaps are written as valid PNGs (read back, no pixel checks);
+"""train.evaluation.plots: the loss curve and the accuracy heatmaps are written as valid PNGs (read back, no pixel checks);
 without matplotlib one note line and no files."""
 import json
 import sys
 
 import pytest
 
-from train.plots import MISSING, write_eval_pictures, write_run_pictures
+from train.evaluation.plots import MISSING, write_eval_pictures, write_run_pictures
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from cli_helpers import ENV, REPO, base_argv, error_line, losses, metrics
-from train.args import parse_args
-from train import loop
-from train.qlora import main, run
+from train.recipe.args import parse_args
+from train.run import loop
+from train.run.qlora import main, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,7 +77,7 @@ def test_cli_end_to_end_4bit(tiny, tmp_path):
 
 @pytest.mark.parametrize("bits", [4, 16])
 def test_saved_adapter_reloads_to_the_trained_model(tiny, tmp_path, bits):
-    from train.model import load_trained
+    from train.recipe.model import load_trained
 
     out = tmp_path / "run"
     result = run(parse_args(base_argv(tiny, out, "--bits", bits, "--max_steps", 2, "--train_embeddings_and_norms",
@@ -273,7 +273,7 @@ def test_bad_input_is_one_line_exit_2(tiny, tmp_path, capsys, monkeypatch, case)
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was loaded before the mistake was found")
 
-    monkeypatch.setattr("train.model.build_model", no_weights)  # every mistake here is found before heavy work
+    monkeypatch.setattr("train.recipe.model.build_model", no_weights)  # every mistake here is found before heavy work
     argv, hints = _bad_cases(tiny, tmp_path)[case]
     assert main(argv) == 2
     line = error_line(capsys)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from cli_helpers import ENV, REPO, base_argv, losses, save_prequantized
-from train.args import parse_args
-from train.qlora import main, run
+from train.recipe.args import parse_args
+from train.run.qlora import main, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,7 +58,7 @@ def test_fsdp_shards_the_4bit_base_and_matches_one_process(tiny, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from train.model import read_run
+    from train.recipe.model import read_run
 
     base = AutoModelForCausalLM.from_pretrained(tiny / "model", config=read_run(str(two)).config)
     loaded = PeftModel.from_pretrained(base, two)
@@ -129,7 +129,7 @@ def test_shard_model_refuses_uint8_4bit_storage(tiny):
     """The library guard (a user's own loop): 4-bit data in uint8 tensors would train at loss 0 under FSDP."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from train.fsdp import shard_model
+    from train.parallel.fsdp import shard_model
 
     model = AutoModelForCausalLM.from_pretrained(tiny / "model", quantization_config=BitsAndBytesConfig(load_in_4bit=True))
     with pytest.raises(ValueError, match=r"keeps its 4-bit data in torch.uint8, which FSDP cannot shard .*"
@@ -138,7 +138,7 @@ def test_shard_model_refuses_uint8_4bit_storage(tiny):
 
 
 def test_an_accelerate_fsdp_launch_turns_on_fsdp_and_keeps_accelerate_from_wrapping(monkeypatch):
-    from train.fsdp import LAUNCHER_FSDP_ENV, use_launcher_fsdp
+    from train.parallel.fsdp import LAUNCHER_FSDP_ENV, use_launcher_fsdp
 
     args = parse_args(["--max_steps", "1"])
     assert args.fsdp is False
@@ -149,7 +149,7 @@ def test_an_accelerate_fsdp_launch_turns_on_fsdp_and_keeps_accelerate_from_wrapp
 
 def test_trainable_parameters_are_kept_in_one_dtype_for_fsdp():
     """A 16-bit base's trainable norms next to fp32 LoRA would stop FSDP ("uniform original parameter dtype")."""
-    from train.fsdp import trainable_in_fp32
+    from train.parallel.fsdp import trainable_in_fp32
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4).bfloat16(), torch.nn.LayerNorm(4).bfloat16())
     model[0].requires_grad_(False)

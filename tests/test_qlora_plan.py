@@ -1,5 +1,5 @@
 """`python -m train.qlora ... --plan GPU`: this run's training step simulated on a GPU before any download
-(train/plan.py). The plan prints a verdict and trains nothing; its peak is run_simulation's for the very spec a
+(train/run/plan.py). The plan prints a verdict and trains nothing; its peak is run_simulation's for the very spec a
 hand-built description of the run gives; models resolve offline (directory, hub cache, built-in hub shapes); the
 longest --max_seq_len search is exact to its resolution; mistakes are one line with exit status 2."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ import sys
 import pytest
 
 from cli_helpers import ENV, REPO, base_argv, error_line
-from train.args import PLAN_DEVICES, TrainArguments, parse_args
-from train.plan import (OPTIMIZER_STATE_BYTES, RESOLUTION, format_verdict, longest_fitting_length, model_config,
+from train.recipe.args import PLAN_DEVICES, TrainArguments, parse_args
+from train.run.plan import (OPTIMIZER_STATE_BYTES, RESOLUTION, format_verdict, longest_fitting_length, model_config,
                         print_plan, step_spec)
-from train.qlora import main
+from train.run.qlora import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import REPO, base_argv, error_line, metrics
-from train.qlora import main
+from train.run.qlora import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,7 +53,7 @@ def no_data_work(monkeypatch):
     def refuse(*_, **__):
         raise AssertionError("the data was read before the model directory was checked")
 
-    monkeypatch.setattr("train.data.build_train_dataset", refuse)
+    monkeypatch.setattr("train.recipe.data.build_train_dataset", refuse)
 
 
 def _model_copy(tiny, tmp_path, *, tokenizer=True) -> Path:
@@ -76,7 +76,7 @@ def test_a_corrupt_weights_file_is_one_line_naming_it(tiny, tmp_path, capsys, no
     line = error_line(capsys)
     assert line.startswith(f"error: model file {weights} is unreadable (") and "copy or download it again" in line
 
-    from train.eval import main as eval_main
+    from train.evaluation.eval import main as eval_main
 
     assert eval_main(["--model_name_or_path", str(model), "--lengths", "120"]) == 2
     assert error_line(capsys) == line
@@ -100,7 +100,7 @@ def _helps(parser) -> dict[str, str]:
 
 def test_qlora_help_shows_each_default_once_the_block_sizes_and_the_default_run():
     from bpt.config import BPTConfig
-    from train.args import build_parser
+    from train.recipe.args import build_parser
 
     helps = _helps(build_parser())
     assert all(text.count("(default:") <= 1 for text in helps.values()), \
@@ -114,8 +114,8 @@ def test_qlora_help_shows_each_default_once_the_block_sizes_and_the_default_run(
 
 
 def test_eval_help_explains_every_flag():
-    from train.args import build_parser
-    from train.eval import EvalArgs
+    from train.recipe.args import build_parser
+    from train.evaluation.eval import EvalArgs
 
     helps = _helps(build_parser((EvalArgs,), prog="python -m train.eval", default_run=None, config_flag=False))
     assert {"--batch_size", "--text_field", "--max_docs", "--output_json"} <= helps.keys()
@@ -137,7 +137,7 @@ def test_a_run_ends_with_a_line_saying_where_its_results_are(tiny, tmp_path, cap
 # ---------------------------------------------------------------- sequence parallelism and dropout
 
 def test_sequence_parallel_says_its_losses_equal_one_process_only_without_dropout():
-    from train.args import build_parser
+    from train.recipe.args import build_parser
 
     assert "only with --lora_dropout 0" in _helps(build_parser())["--sequence_parallel"]
     page = (REPO / "docs" / "parallelism.md").read_text()

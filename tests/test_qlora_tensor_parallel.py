@@ -12,8 +12,8 @@ import torch
 
 from cli_helpers import ENV, REPO, base_argv, losses, metrics, save_tiny_llama
 from qlora_storage import stored_bytes
-from train.args import parse_args
-from train.qlora import main, run
+from train.recipe.args import parse_args
+from train.run.qlora import main, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,7 +71,7 @@ def _same_run(one, other, targets: int = 7) -> None:
                          ids=["bits16", "bits4", "bits16_embeddings_and_norms"])
 def test_two_processes_split_every_layer_and_match_one_process(tiny, wide, tmp_path, bits, extra):
     """With --train_embeddings_and_norms the embedding and norm copies are whole on every rank (their gradients too)."""
-    from train.model import load_trained
+    from train.recipe.model import load_trained
 
     one = tmp_path / "one"
     run(parse_args(_argv(tiny, wide, one, "--bits", bits, *extra)))
@@ -92,7 +92,7 @@ def test_two_processes_split_phi3_fused_layers_and_match_one_process(tiny, tmp_p
     """Phi-3's fused qkv_proj / gate_up_proj (LoRA on them), each rank keeping its slice of every part."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    from train.model import load_trained
+    from train.recipe.model import load_trained
     from train.pretrain_tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -358,8 +358,8 @@ def test_tensor_parallel_x_fsdp_with_cpu_offload_is_refused_before_loading(tiny,
 def test_fsdp_with_as_many_processes_as_tensor_parallel_ranks_trains_unsharded_with_a_note(tiny, monkeypatch, capsys):
     """Under TP, FSDP shards each slice over the ranks holding it: with N processes for --tensor_parallel N that is
     one, so --fsdp is dropped (as with one process), said once, by the main process."""
-    from train.fsdp import check_fsdp
-    from train.model import load_config
+    from train.parallel.fsdp import check_fsdp
+    from train.recipe.model import load_config
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = load_config(str(tiny / "model"), False)

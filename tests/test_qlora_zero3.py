@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("deepspeed")
 
 from cli_helpers import ENV, REPO, base_argv, metrics, save_prequantized  # noqa: E402
-from train.args import parse_args  # noqa: E402
-from train.qlora import main, run  # noqa: E402
+from train.recipe.args import parse_args  # noqa: E402
+from train.run.qlora import main, run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +107,7 @@ def test_zero3_partitions_the_4bit_base_and_matches_one_process(tiny, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from train.model import read_run
+    from train.recipe.model import read_run
 
     base = AutoModelForCausalLM.from_pretrained(tiny / "model", config=read_run(str(two)).config)
     loaded = PeftModel.from_pretrained(base, two)
@@ -243,7 +243,7 @@ def test_initialize_refuses_uint8_4bit_storage(tiny):
     """The library guard (a model built outside train.qlora): 4-bit data in uint8 tensors is not partitioned."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from train.deepspeed import Zero3, initialize
+    from train.parallel.deepspeed import Zero3, initialize
 
     model = AutoModelForCausalLM.from_pretrained(tiny / "model",
                                                  quantization_config=BitsAndBytesConfig(load_in_4bit=True))
@@ -256,7 +256,7 @@ def test_initialize_refuses_uint8_4bit_storage(tiny):
 def test_deepspeed_config_follows_the_flags():
     """Clipping is --max_grad_norm (DeepSpeed's own default would be 1.0 when the key is absent, also for 0 = off);
     batch keys agree with each other; offload blocks only when asked; no DeepSpeed mixed precision."""
-    from train.deepspeed import Zero3, ds_config
+    from train.parallel.deepspeed import Zero3, ds_config
 
     args = parse_args(["--max_steps", "1", "--max_grad_norm", "0", "--per_device_train_batch_size", "3",
                        "--gradient_accumulation_steps", "5"])
@@ -287,7 +287,7 @@ def test_a_deepspeed_launch_with_one_process_trains_unsharded_with_a_note(tiny, 
 def test_launch_config_values_equal_to_the_flags_are_accepted(monkeypatch, capsys):
     """`accelerate config` writes gradient_accumulation_steps: 1 and gradient_clipping: 1.0 by default: equal to the
     flags they pass; zero3_init_flag gets a note."""
-    from train.deepspeed import Zero3, check_zero3
+    from train.parallel.deepspeed import Zero3, check_zero3
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2")

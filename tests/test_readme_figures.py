@@ -78,8 +78,8 @@ def test_the_committed_default_run_is_what_this_checkout_prints(tmp_path):
 def test_the_committed_plan_is_what_this_checkout_prints():
     """The simulated peak of `--config configs/llama-8b-64k.yaml --plan h100-80gb` (its verdict step, ~45 s here; the
     longest-length search is the same simulation at other lengths) equals the committed output's."""
-    from train.args import parse_args
-    from train.plan import adapter_layout, analytic_extras, model_config, simulate, size, step_spec
+    from train.recipe.args import parse_args
+    from train.run.plan import adapter_layout, analytic_extras, model_config, simulate, size, step_spec
 
     args = parse_args(["--config", str(REPO / "configs" / "llama-8b-64k.yaml"), "--plan", "h100-80gb"])
     config, _ = model_config(args.model_name_or_path, False)

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from train.pretrain_tiny import build_tokenizer
-from train.tasks import TASKS, build_case
+from train.evaluation.tasks import TASKS, build_case
 
 ruler = pytest.importorskip("lm_eval.tasks.ruler.common_utils")
 

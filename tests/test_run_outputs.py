@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cli_helpers import base_argv, metrics
-from train.qlora import main, trainable_text
+from train.run.qlora import main, trainable_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,8 +37,8 @@ def test_a_short_run_prints_its_tables_notes_its_warmup_and_writes_a_model_card(
 
 
 def test_no_warmup_note_when_the_run_outlasts_its_warmup(tiny, tmp_path, capsys):
-    from train.args import parse_args
-    from train.qlora import warmup_note
+    from train.recipe.args import parse_args
+    from train.run.qlora import warmup_note
 
     assert warmup_note(parse_args(base_argv(tiny, tmp_path / "a", "--warmup_steps", 3)), steps=4) is None
     assert warmup_note(parse_args(base_argv(tiny, tmp_path / "b", "--warmup_steps", 9, "--lr_scheduler_type",

@@ -1,4 +1,4 @@
-"""train.split_eval on 2 real gloo processes vs one process: the split loss equals the whole sequence's loss, and
+"""train.evaluation.split_eval on 2 real gloo processes vs one process: the split loss equals the whole sequence's loss, and
 split greedy decoding (no KV cache) produces the tokens of `model.generate` with its cache, ring and Ulysses, with and
 without the patch's eval logits."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _inputs():
 def _on_rank(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from train.split_eval import SplitEval, split_greedy, split_loss
+    from train.evaluation.split_eval import SplitEval, split_greedy, split_loss
 
     documents, prompts = _inputs()
     results = {}
@@ -70,7 +70,7 @@ def _lockstep_on_rank(rank: int, world: int) -> dict:
     rank's count of model forwards."""
     import torch.distributed as dist
 
-    from train.split_eval import SplitEval, spread, split_greedy
+    from train.evaluation.split_eval import SplitEval, spread, split_greedy
 
     _, prompts = _inputs()
     model = _model(eval_logits=False)

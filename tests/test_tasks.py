@@ -1,4 +1,4 @@
-"""train.tasks: RULER-style prompts (exact length, needle at the requested depth), RULER's string_match_all scoring on
+"""train.evaluation.tasks: RULER-style prompts (exact length, needle at the requested depth), RULER's string_match_all scoring on
 hand-made predictions, and generation end to end (an oracle that reads the prompt, a random tiny llama)."""
 import random
 import re
@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from train.errors import UserError
 from train.pretrain_tiny import build_tokenizer
-from train.tasks import (NIAH_NEEDLES, TASKS, VT_HOPS, build_case, check_task_lengths, check_task_names,
+from train.evaluation.tasks import (NIAH_NEEDLES, TASKS, VT_HOPS, build_case, check_task_lengths, check_task_names,
                          string_match_all, task_accuracy)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,7 +1,7 @@
 """patches.tensor_parallel on a tiny GQA llama (4 query / 2 KV heads) split over 2 real gloo processes vs one process:
 loss, every LoRA gradient (gathered to full shape), the clipped norm, the gathered adapter and greedy decoding (KV
 cache), at 16 and 4 bits (the
-4-bit base loaded by transformers with double quantisation, as train.model loads it), with and without the blockwise
+4-bit base loaded by transformers with double quantisation, as train.recipe.model loads it), with and without the blockwise
 patch. Plus the refusals, which need no processes."""
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _model(path: str, bits: int, bpt: bool, case: str = ""):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from train.model import keep_4bit_layout, quantization_config
+    from train.recipe.model import keep_4bit_layout, quantization_config
 
     kwargs = {"dtype": torch.float64 if bits == 16 else torch.float32}
     if bits == 4:

@@ -1,4 +1,4 @@
-"""Sync tests between the CLI schema (train/args.py), the YAML presets in configs/ and --help."""
+"""Sync tests between the CLI schema (train/recipe/args.py), the YAML presets in configs/ and --help."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from train.args import DEFAULT_RUN, TINY_LLAMA_DIR, Args, build_parser, parse_args, schema_fields
+from train.recipe.args import DEFAULT_RUN, TINY_LLAMA_DIR, Args, build_parser, parse_args, schema_fields
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PRESETS = sorted(CONFIGS.glob("*.yaml"))

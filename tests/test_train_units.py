@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from train import checkpoint
-from train.args import parse_args
+from train.recipe import checkpoint
+from train.recipe.args import parse_args
 from train.errors import UserError
-from train.loop import epoch_order, step_groups, total_steps
+from train.run.loop import epoch_order, step_groups, total_steps
 
 
 def test_epoch_order_splits_rows_across_ranks_and_is_reproducible():
@@ -68,7 +68,7 @@ def test_latest_checkpoint_is_the_highest_step(tmp_path):
 def test_rope_scaling_is_written_the_transformers_5_way(kind, extra):
     from transformers import LlamaConfig
 
-    from train.rope import apply_rope_scaling
+    from train.recipe.rope import apply_rope_scaling
 
     config = LlamaConfig(max_position_embeddings=128)
     assert apply_rope_scaling(config, 512, kind, None) == 4.0
@@ -81,7 +81,7 @@ def test_rope_scaling_is_written_the_transformers_5_way(kind, extra):
 
 def test_block_size_flags_reach_the_patch():
     from tiny_models import tiny_model
-    from train.model import patch
+    from train.recipe.model import patch
 
     args = parse_args(["--model_name_or_path", "m", "--norm_chunk", "24", "--mlp_chunk", "40"])
     handle = patch(tiny_model("llama"), args)

@@ -4,7 +4,7 @@
 
 It makes a character-level tokenizer, a small LlamaConfig whose max_position_embeddings is the short
 pretraining context, and pretrains from scratch on generated text at that context: rows packed with
-passkey samples (train.passkey: filler sentences, a key line, the question, the answer) and some plain
+passkey samples (train.recipe.passkey: filler sentences, a key line, the question, the answer) and some plain
 filler. The loss is on every token, with the key digits that can be copied from earlier weighted up:
 they are the only tokens that need retrieval (an induction-style copy). About 8 minutes on one core.
 The trainer's default run then extends this model to a several-times-longer context with RoPE scaling.
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from train.metrics import evaluation_mode, passkey_accuracy
-from train.passkey import filler_document, min_passkey_length, passkey_dataset, passkey_sample
+from train.evaluation.metrics import evaluation_mode, passkey_accuracy
+from train.recipe.passkey import filler_document, min_passkey_length, passkey_dataset, passkey_sample
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
@@ -173,7 +173,7 @@ def write_readme(output_dir: str, metadata: dict) -> None:
 
 A {cfg['num_hidden_layers']}-layer, hidden {cfg['hidden_size']} Llama ({metadata['parameters']:,} parameters, fp32)
 with a character-level tokenizer, pretrained from scratch at a {metadata['pretrain_seq_len']}-token context on
-synthetic filler text and passkey-retrieval samples (`train/passkey.py`). It exists so that
+synthetic filler text and passkey-retrieval samples (`train/recipe/passkey.py`). It exists so that
 `python -m train.qlora` has an offline default: extend this model to a longer context with RoPE scaling.
 
 - command: `{metadata['command']}`

@@ -1,13 +1,13 @@
 """What a train.qlora run leaves in its --output_dir, and the one way to write, read and check those files.
 
     metrics.jsonl                  one line per logged step
-    checkpoint-N/                  resumable states (train.checkpoint); the last one is the run's final state
+    checkpoint-N/                  resumable states (train.recipe.checkpoint); the last one is the run's final state
     adapter_config.json, adapter_model.safetensors, tokenizer files    the final adapter (peft format)
     eval.json                      passkey accuracy "before" / "after" training (--eval_passkey)
     merged/                        the base merged with the adapter (--merge)
     run_info.json                  written last: the marker that the run finished (base, RoPE, bits, args)
     eval_results.json              what `python -m train.eval --adapter OUTPUT_DIR` measured (unless --output_json)
-    loss.png, accuracy_<task>.png  pictures of the loss curve and of eval.json (train.plots; with matplotlib)
+    loss.png, accuracy_<task>.png  pictures of the loss curve and of eval.json (train.evaluation.plots; with matplotlib)
     eval_results_accuracy_<task>.png  pictures of eval_results.json
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 
-from train import checkpoint
+from train.recipe import checkpoint
 from train.errors import UserError, one_line
 
 METRICS_FILE = "metrics.jsonl"

@@ -22,9 +22,9 @@ import yaml
 
 from bpt.gpusim.gpus import DEVICES
 from train.errors import UserError
-from train.rope import ROPE_TYPES, check_rope_flags
+from train.recipe.rope import ROPE_TYPES, check_rope_flags
 
-TINY_LLAMA_DIR = Path(__file__).resolve().parent / "assets" / "tiny-llama"
+TINY_LLAMA_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
 PLAN_DEVICES = tuple(name for name, gpu in DEVICES.items() if gpu.is_cuda)  # --plan: the simulated GPUs
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -176,7 +176,7 @@ class EvalArguments:
     eval_passkey: bool = flag(False, "Evaluate before and after training (eval.json): the --eval_tasks (passkey "
                               "retrieval accuracy unless given).")
     eval_tasks: list[str] | None = flag(
-        None, "Tasks of the evaluation before and after training (train.tasks: passkey, niah_single, niah_multikey, "
+        None, "Tasks of the evaluation before and after training (train.evaluation.tasks: passkey, niah_single, niah_multikey, "
         "niah_multivalue, niah_multiquery, variable_tracking, ...); giving them turns the evaluation on. Default: "
         "passkey.")
     eval_lengths: list[int] | None = flag(None, "Context lengths of the passkey evaluation; default: max_seq_len.")
@@ -413,7 +413,7 @@ def validate(args: Args) -> None:
     if (args.prompt_field is None) != (args.response_field is None):
         raise UserError("--prompt_field and --response_field go together: give both, or neither to train on "
                         "--text_field")
-    if args.eval_tasks is not None:  # the names are checked by train.qlora's preflight (train.tasks)
+    if args.eval_tasks is not None:  # the names are checked by train.qlora's preflight (train.evaluation.tasks)
         args.eval_passkey = True
     if any(not 0 <= depth <= 1 for depth in args.eval_depths):
         raise UserError(f"--eval_depths must be fractions in [0, 1], got {args.eval_depths}")

@@ -1,6 +1,6 @@
 """lm-evaluation-harness's RULER tasks (the optional `lm-eval` package: pip install -e ".[ruler]") on the model
 train.eval loads, through lm-eval's own HF wrapper (HFLM) and `simple_evaluate`, with the blockwise patch applied:
-figures comparable with published RULER results, beside train.tasks' own RULER-style tasks.
+figures comparable with published RULER results, beside train.evaluation.tasks' own RULER-style tasks.
 
 Only the tasks that generate their data offline run here: niah_single_1 ("The grass is green..." repeats),
 niah_multikey_2 / niah_multikey_3 (needle haystacks), ruler_vt, ruler_cwe and ruler_fwe. The others download data
@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 
 from train.errors import UserError
-from train.lifecycle import quieted
+from train.recipe.lifecycle import quieted
 
 EXTRA = 'pip install -e ".[ruler]"'
 GROUP = "ruler"
@@ -170,7 +170,7 @@ def simple_evaluate(model, tokenizer, prompts: Prompts, *, limit: int | None = N
     from lm_eval.models.huggingface import HFLM
 
     from patches import apply_bpt_patch, is_patched
-    from train.metrics import evaluation_mode
+    from train.evaluation.metrics import evaluation_mode
 
     with quieted("lm_eval", logging.ERROR), evaluation_mode(model):
         # max_length only bounds HFLM's left truncation: RULER sizes a prompt without the answer prefix lm-eval

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-3 for the QLoRA run: `accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml`.
 
-As with FSDP2 (train.fsdp) the engine is ours, not accelerate's: a DeepSpeed launch is read from the environment
+As with FSDP2 (train.parallel.fsdp) the engine is ours, not accelerate's: a DeepSpeed launch is read from the environment
 `accelerate launch` sets (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_*), accelerate is then asked for a plain
 multi-process state (gloo on CPU, NCCL on GPUs), and `initialize` hands the peft model and our torch AdamW to
 `deepspeed.initialize` with a config built from our flags. So the loop keeps its own gradient accumulation (the
@@ -9,7 +9,7 @@ are) and its learning-rate schedule; DeepSpeed clips at --max_grad_norm (its own
 would be 1.0) and steps.
 
 What ZeRO-3 asks of the rest of the run:
-- 4-bit data must live in a float dtype (`bnb_4bit_quant_storage`, train.model.quantization_config) to be
+- 4-bit data must live in a float dtype (`bnb_4bit_quant_storage`, train.recipe.model.quantization_config) to be
   partitioned; every parameter is partitioned (stage3_param_persistence_threshold 0), 4-bit data included.
 - Each process loads the (4-bit) base whole before `deepspeed.initialize` partitions it (no zero.Init: bitsandbytes
   quantises at load time); peak host/GPU memory at load is therefore one 4-bit copy per process, as with DDP.
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from train.errors import UserError
-from train.parallel import launched_world_size
+from train.parallel.layout import launched_world_size
 
 LAUNCHER_ENV = "ACCELERATE_USE_DEEPSPEED"  # set by `accelerate launch` for a config with distributed_type DEEPSPEED
 STAGE_ENV = "ACCELERATE_DEEPSPEED_ZERO_STAGE"
@@ -111,7 +111,7 @@ def check_zero3(args, config, zero3: Zero3 | None) -> Zero3 | None:
         print("note: DeepSpeed ZeRO-3 with one process has nothing to partition over; training unsharded (launch "
               "several processes with accelerate launch --num_processes N to partition)", file=sys.stderr, flush=True)
         return None
-    from train.fsdp import refuse_unshardable
+    from train.parallel.fsdp import refuse_unshardable
 
     refuse_unshardable(
         args, config,
@@ -160,7 +160,7 @@ def initialize(model, optimizer, args, zero3: Zero3, world: int):
     4-bit data in uint8 storage."""
     import deepspeed
 
-    from train.fsdp import check_storage, trainable_in_fp32
+    from train.parallel.fsdp import check_storage, trainable_in_fp32
 
     check_storage(model, "ZeRO-3")
     trainable_in_fp32(model)  # one dtype for the flat fp32 partitions
@@ -232,7 +232,7 @@ def local_share(model) -> float:
 
 def backward(engine, loss: torch.Tensor, boundary: bool) -> None:
     """Backward of one micro-batch; `boundary`: the last of the optimizer step (its gradients are then reduced).
-    The loss is already normalised over the step (train.loop.accumulate): DeepSpeed must not divide it again."""
+    The loss is already normalised over the step (train.run.loop.accumulate): DeepSpeed must not divide it again."""
     engine.set_gradient_accumulation_boundary(boundary)
     engine.backward(loss, scale_wrt_gas=False)
 

@@ -4,25 +4,25 @@
     python -m train.qlora --config configs/llama-8b-64k.yaml
     accelerate launch --config_file configs/accelerate/multi_gpu.yaml -m train.qlora --config ...
 
-With --plan GPU it only simulates this run's step on that GPU and prints what it needs (train.plan), then exits.
+With --plan GPU it only simulates this run's step on that GPU and prints what it needs (train.run.plan), then exits.
 
 Order of work: every cheap check (flags, output dir, checkpoint, model config, family, positions,
 data) runs before any weights are loaded, so mistakes fail fast as one-line UserErrors.
-Then: base -> k-bit prep -> LoRA -> BPT patch (train.model), the loop, the final adapter.
+Then: base -> k-bit prep -> LoRA -> BPT patch (train.recipe.model), the loop, the final adapter.
 
-Files in --output_dir (written by the main process only): see train.run_dir. --report_to tensorboard writes
+Files in --output_dir (written by the main process only): see train.recipe.run_dir. --report_to tensorboard writes
 train.qlora/events.* there too; --report_to wandb its wandb/ run directory (unless WANDB_DIR says otherwise).
-The loop itself (data order, optimizer step, metrics, checkpoints) is train.loop; the metrics train.metrics.
+The loop itself (data order, optimizer step, metrics, checkpoints) is train.run.loop; the metrics train.evaluation.metrics.
 
 SIGINT / SIGTERM (Ctrl-C, a cluster's preemption): the loop finishes the optimizer step it is in, writes
 checkpoint-N, prints where it is and the command that resumes, and exits 130 / 143. A second signal
-aborts at once (one that follows within train.lifecycle.REPEAT_WINDOW_S counts as the same request: a
+aborts at once (one that follows within train.recipe.lifecycle.REPEAT_WINDOW_S counts as the same request: a
 launcher forwarding the terminal's Ctrl-C, or a scheduler signalling every process, delivers one stop twice).
-The process around the run (signals, library log noise, the one-line exit) lives in train.lifecycle.
+The process around the run (signals, library log noise, the one-line exit) lives in train.recipe.lifecycle.
 
 Under `accelerate launch` every rank runs the same checks; a user error is printed once, by the main
 process, the process group is torn down (no rank is left waiting at a collective) and each machine's first process
-exits 2, the others 0 (train.lifecycle.leave: torchrun's report then names one process).
+exits 2, the others 0 (train.recipe.lifecycle.leave: torchrun's report then names one process).
 """
 from __future__ import annotations
 
@@ -33,15 +33,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train import checkpoint, loop, run_dir
-from train.args import TINY_LLAMA_DIR, Args, parse_args
+from train.recipe import checkpoint, run_dir
+from train.run import loop
+from train.recipe.args import TINY_LLAMA_DIR, Args, parse_args
 from train.errors import UserError
-from train.lifecycle import SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise, stopped_message
-from train.metrics import EVAL_SEED
-from train.parallel import launched_world_size, make_layout
-from train.peers import PeerLost
-from train.plan import PlanFailed, print_plan
-from train.trackers import check_tracker, init_trackers, log_heatmaps
+from train.recipe.lifecycle import SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise, stopped_message
+from train.evaluation.metrics import EVAL_SEED
+from train.parallel.layout import launched_world_size, make_layout
+from train.run.peers import PeerLost
+from train.run.plan import PlanFailed, print_plan
+from train.run.trackers import check_tracker, init_trackers, log_heatmaps
 
 
 @dataclass
@@ -63,23 +64,23 @@ class Preflight:
     rope_factor: float | None
     resume_path: str | None
     evals: dict  # eval.json of the run being resumed ("before" is not measured again)
-    zero3: object = None  # train.deepspeed.Zero3 of a DeepSpeed launch with several processes, else None
+    zero3: object = None  # train.parallel.deepspeed.Zero3 of a DeepSpeed launch with several processes, else None
 
 
 def preflight(args: Args) -> Preflight:
     """Every check that needs no weights, in the order a user would fix them. Raises UserError."""
-    from train.data import check_source
-    from train.deepspeed import check_zero3, launcher_zero3
-    from train.fsdp import check_fsdp, use_launcher_fsdp
-    from train.memory_check import check_memory
-    from train.model import check_bpt_support, check_packing, check_weight_files, load_config, load_tokenizer
-    from train.parallel import check_layout, check_tensor_parallel_model
-    from train.rope import apply_rope_scaling
+    from train.recipe.data import check_source
+    from train.parallel.deepspeed import check_zero3, launcher_zero3
+    from train.parallel.fsdp import check_fsdp, use_launcher_fsdp
+    from train.run.memory_check import check_memory
+    from train.recipe.model import check_bpt_support, check_packing, check_weight_files, load_config, load_tokenizer
+    from train.parallel.layout import check_layout, check_tensor_parallel_model
+    from train.recipe.rope import apply_rope_scaling
 
     check_tracker(args.report_to)
     zero3 = launcher_zero3()  # first: accelerate must not build its own DeepSpeed engine, whatever fails later
     if args.eval_tasks is not None:
-        from train.tasks import check_task_names
+        from train.evaluation.tasks import check_task_names
 
         args.eval_tasks = check_task_names(args.eval_tasks, "--eval_tasks")
     run_dir.check_output_dir(args.output_dir, resuming=bool(args.resume_from_checkpoint),
@@ -109,7 +110,7 @@ def preflight(args: Args) -> Preflight:
     # evaluation's length check below builds prompts of --eval_lengths tokens.
     check_memory(args, zero3)
     if args.eval_passkey:  # found now, not after training
-        from train.tasks import check_task_lengths
+        from train.evaluation.tasks import check_task_lengths
 
         check_task_lengths(tokenizer, eval_tasks(args), args.eval_lengths or [args.max_seq_len])
     evals = (run_dir.read_json(os.path.join(args.output_dir, run_dir.EVAL_FILE)) if resume_path else None) or {}
@@ -191,7 +192,7 @@ def start_position(accelerator, args: Args, resume_path: str | None, model, opti
 
 def load_data(args: Args, tokenizer, *, main_process: bool = True):
     """The training rows; notes about the data (truncation) are printed once, by the main process."""
-    from train.data import build_train_dataset, load_text_dataset
+    from train.recipe.data import build_train_dataset, load_text_dataset
 
     def note(message: str) -> None:
         if main_process:
@@ -212,23 +213,23 @@ def load_data(args: Args, tokenizer, *, main_process: bool = True):
 # ---------------------------------------------------------------- evaluation
 
 def eval_tasks(args: Args) -> list[str]:
-    from train.tasks import DEFAULT_TASKS
+    from train.evaluation.tasks import DEFAULT_TASKS
 
     return args.eval_tasks or DEFAULT_TASKS
 
 
 def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict,
               step: int, layout) -> dict | None:
-    """Accuracy of each --eval_tasks task, evaluated in the training layout (train.split_eval): the prompts shared
+    """Accuracy of each --eval_tasks task, evaluated in the training layout (train.evaluation.split_eval): the prompts shared
     out over the data-parallel groups, each split over its sequence-parallel group as training splits its rows, every
     forward of sharded (FSDP, ZeRO-3) or sliced (TP) weights a collective of the ranks holding them; the answers are
     one process's. The main process prints them, logs them to the tracker at `step` (eval/<task>_accuracy, and
     _<length>) and writes them to eval.json under `when` ("before"/"after") beside the earlier results in `evals`:
     {"tasks": {task: result}}, passkey's result also at the top level."""
-    from train.deepspeed import partitioned
-    from train.metrics import format_table
-    from train.split_eval import SplitEval
-    from train.tasks import evaluate_tasks
+    from train.parallel.deepspeed import partitioned
+    from train.evaluation.metrics import format_table
+    from train.evaluation.split_eval import SplitEval
+    from train.evaluation.tasks import evaluate_tasks
 
     def report(tasks: dict) -> dict:
         logged = {}
@@ -262,9 +263,9 @@ def run(args: Args) -> RunResult:
     """The whole run; returns the trained model (for in-process use and tests)."""
     from accelerate.utils import set_seed
 
-    from train import deepspeed
-    from train.fsdp import gathered_trainable_state, local_share, shard_model
-    from train.model import build_model
+    from train.parallel import deepspeed
+    from train.parallel.fsdp import gathered_trainable_state, local_share, shard_model
+    from train.recipe.model import build_model
 
     started = time.time()
     silence_library_noise()
@@ -337,18 +338,18 @@ def run(args: Args) -> RunResult:
     if args.eval_passkey:
         evals["after"] = _evaluate(accelerator, model, tokenizer, args, "after", eval_path, evals, steps, layout)
     if args.merge:
-        from train.model import merge_adapter
+        from train.recipe.model import merge_adapter
 
         on_main(accelerator, lambda: merge_adapter(args, plan.config, out, os.path.join(out, run_dir.MERGED_DIR),
                                                   tokenizer))
     if main_process:
-        from train.plots import write_run_pictures
+        from train.evaluation.plots import write_run_pictures
 
         pictures = write_run_pictures(out, evals, run_dir.METRICS_FILE)  # loss.png, accuracy_<task>.png
         if args.report_to != "none":
             log_heatmaps(accelerator, pictures, steps)
     if main_process:  # last: the marker that the run finished
-        from train.model_card import write_model_card
+        from train.run.model_card import write_model_card
 
         write_model_card(out, args, steps=steps, evals=evals, final_loss=losses[-1] if losses else None,
                          rope_parameters=plan.config.rope_parameters if plan.rope_factor else None,
@@ -368,7 +369,7 @@ def run(args: Args) -> RunResult:
 
 def trainable_text(model, tensor_parallel: int) -> str:
     """The opening line's count of trainable parameters; under tensor parallelism a process's own, its slice."""
-    from train import deepspeed
+    from train.parallel import deepspeed
 
     count = sum(deepspeed.numel(p) for p in model.parameters() if p.requires_grad)
     if tensor_parallel == 1:

@@ -3,13 +3,13 @@ line before any weights or data are loaded, with the figure, the memory availabl
 fits (`--skip_memory_check` runs it anyway). Without it `--max_seq_len 1000000000` grew for minutes until the kernel
 killed it.
 
-What one process of the run needs, estimated with --plan's own code (train.plan, bpt.bench.simulate) on fake tensors
+What one process of the run needs, estimated with --plan's own code (train.run.plan, bpt.bench.simulate) on fake tensors
 in this process (nothing allocated), on the device the run trains on: fake CPU tensors on a CPU, on CUDA the simulated
 GPU of the card's compute capability (its attention kernels and bf16 autocast):
 - the training step: the step --plan simulates (the model, LoRA, the patch, checkpointing, the batch, a rank's share
   of the tokens) and the plan's analytic extras (optimizer state, gradients kept over accumulation);
 - the evaluation (--eval_passkey): one batch's prefill at the longest evaluation length, no gradients, with the KV
-  cache generate keeps (none under --sequence_parallel: train.split_eval decodes without one), plus the optimizer
+  cache generate keeps (none under --sequence_parallel: train.evaluation.split_eval decodes without one), plus the optimizer
   state that is still alive after training; in host memory the task's prompts (PROMPT_BYTES per token);
 - the data: --dataset passkey rows (PASSKEY_BUILD_BYTES per token while they are built, PASSKEY_HELD_BYTES after).
   File and hub datasets are not counted: their rows are the dataset's tokens, whatever --max_seq_len.
@@ -42,13 +42,13 @@ from train.errors import UserError, one_line
 # per-token averages (host memory also moves under other processes), and a refusal must mean "cannot fit", not
 # "might not". A run between 1x and MARGIN x may fail later; the longest --max_seq_len given fits at 1x.
 MARGIN = 1.25
-# --dataset passkey rows, bytes per token (train.passkey.passkey_dataset: three Python lists of ints per row, then an
+# --dataset passkey rows, bytes per token (train.recipe.passkey.passkey_dataset: three Python lists of ints per row, then an
 # in-memory Arrow table), measured with the bundled tokenizer, 30 rows of 200,000 tokens: peak RSS +164 B per token
 # while built, +56 B held after.
 PASSKEY_BUILD_BYTES = 170
 PASSKEY_HELD_BYTES = 56
 PROMPT_BYTES = 8  # an evaluation prompt: a list of pointers to the tokenizer's cached ints (measured 5-8 B per token)
-EVAL_BATCH = 8  # prompts of one length decoded together (train.metrics.passkey_accuracy's batch_size)
+EVAL_BATCH = 8  # prompts of one length decoded together (train.evaluation.metrics.passkey_accuracy's batch_size)
 LINEAR_AT = (2, 3)  # lengths (in the largest block / chunk size) through which a longer step's peak is extended
 GIB = 1 << 30
 
@@ -224,8 +224,8 @@ def estimate(args, *, cuda: bool, zero3=None) -> Estimate:
     """The parts of this run and when they are alive together (see the module's docstring)."""
     from bpt.config import BPTConfig
 
-    from train import plan
-    from train.args import BPT_SIZES
+    from train.run import plan
+    from train.recipe.args import BPT_SIZES
 
     parts: dict[str, Part] = {}
     if args.dataset == "passkey":  # every process builds the whole data set
@@ -293,7 +293,7 @@ def simulate_quietly(spec: dict, prefill: bool | None = None) -> int | dict:
     warnings of the fake model stay inside."""
     from transformers.utils import logging as hf_logging
 
-    from train.lifecycle import quieted
+    from train.recipe.lifecycle import quieted
 
     with warnings.catch_warnings(), quieted("transformers", hf_logging.ERROR):
         warnings.simplefilter("ignore")
@@ -341,7 +341,7 @@ def prefill_step(spec: dict, layers: int, cache: bool) -> int:
 # ---------------------------------------------------------------- the check
 
 def size(n: float) -> str:
-    from train.plan import size as plan_size
+    from train.run.plan import size as plan_size
 
     return f"{n / (1 << 40):,.1f} TiB" if n >= 1 << 40 else plan_size(int(n))
 

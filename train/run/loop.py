@@ -17,13 +17,14 @@ import warnings
 
 import torch
 
-from train import checkpoint, deepspeed
-from train.args import Args
-from train.fsdp import full_norm
-from train.lifecycle import SIGNALS, Interrupted
-from train.peers import peer_lost, roster
-from train.parallel import Layout
-from train.run_dir import METRICS_FILE
+from train.recipe import checkpoint
+from train.parallel import deepspeed
+from train.recipe.args import Args
+from train.parallel.fsdp import full_norm
+from train.recipe.lifecycle import SIGNALS, Interrupted
+from train.run.peers import peer_lost, roster
+from train.parallel.layout import Layout
+from train.recipe.run_dir import METRICS_FILE
 
 
 class TrainingDiverged(RuntimeError):
@@ -322,7 +323,7 @@ def _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, ar
                 start_step: int, position: tuple[int, int], steps: int, last_checkpoint: str | None) -> list[float]:
     from tqdm.auto import tqdm
 
-    from train.data import Collator
+    from train.recipe.data import Collator
 
     groups = step_groups(dataset, Collator(tokenizer.pad_token_id), args, rank=layout.data_rank,
                          world_size=layout.data_world, epoch=position[0], batch=position[1])

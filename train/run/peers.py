@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from train.lifecycle import SIGNALS, process_alive
+from train.recipe.lifecycle import SIGNALS, process_alive
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words for it
 PEER_EXIT_S = 3.0  # how long a peer whose connection closed may take to be seen gone

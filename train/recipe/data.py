@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import torch
 
 from train.errors import UserError, one_line
-from train.lifecycle import quieted
+from train.recipe.lifecycle import quieted
 
 # File suffix -> `datasets` builder. A .txt file is one document per file (not per line): long-context
 # training wants whole documents, and a book's line breaks are not document boundaries.
@@ -335,7 +335,7 @@ def build_train_dataset(tokenizer, source: str | datasets.Dataset, *, max_seq_le
     """Rows of input_ids, labels, position_ids ready for Collator.
 
     source "passkey" is the built-in synthetic passkey data (passkey_samples rows of max_seq_len tokens,
-    loss on the answer only unless passkey_answer_only=False; see train.passkey.passkey_dataset);
+    loss on the answer only unless passkey_answer_only=False; see train.recipe.passkey.passkey_dataset);
     otherwise a Dataset or anything load_text_dataset accepts. packing=True fills rows of exactly
     max_seq_len tokens with consecutive documents; packing=False keeps one document per row, truncated
     to max_seq_len (the collator pads); how many documents that cut short goes to `warn` (default: a
@@ -344,7 +344,7 @@ def build_train_dataset(tokenizer, source: str | datasets.Dataset, *, max_seq_le
     if max_seq_len < 2:
         raise UserError(f"max_seq_len must be at least 2 (got {max_seq_len})")
     if isinstance(source, str) and source == "passkey":
-        from train.passkey import passkey_dataset
+        from train.recipe.passkey import passkey_dataset
 
         return passkey_dataset(tokenizer, passkey_samples, max_seq_len, seed, answer_only_loss=passkey_answer_only)
     ds = load_text_dataset(source) if isinstance(source, str) else _non_empty(source, "(in memory)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train import run_dir
+from train.recipe import run_dir
 from train.errors import UserError
 
 

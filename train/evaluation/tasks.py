@@ -1,6 +1,6 @@
 """RULER-style synthetic long-context tasks, generated here (offline) in token space, and their scoring.
 
-    passkey            train.passkey's pass key (exact match of the key as the first thing generated)
+    passkey            train.recipe.passkey's pass key (exact match of the key as the first thing generated)
     niah_single        one needle "One of the special magic numbers for <key> is: <value>." in filler; its value
     niah_single_word   the same, the value an adjective-noun word (RULER niah_single with word values)
     niah_single_uuid   the same, the value a UUID
@@ -14,7 +14,7 @@ the same instruction, needle, question and answer prefix ("The special magic num
 provided text is"), singular wording when one value is asked for, 7-digit numbers, adjective-noun keys, UUIDs,
 5-letter variable names with a 5-digit value, and `string_match_all`: the prediction is stripped (control
 characters become newlines) and scores the fraction of reference strings it contains, case-insensitively (a
-multi-value answer with 2 of 4 values scores 0.5). Differences: the filler is train.passkey's seeded sentences
+multi-value answer with 2 of 4 values scores 0.5). Differences: the filler is train.recipe.passkey's seeded sentences
 (no digits, so needle values are the only numbers), not Paul Graham essays or "The grass is green..." repeats;
 variable_tracking has no few-shot example (and spells "assigned" right); the pieces are joined by spaces.
 
@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from train.errors import UserError
-from train.passkey import encoder_for, filler_pieces
+from train.recipe.passkey import encoder_for, filler_pieces
 
 ANSWER_SLACK = 4  # tokens generated per expected string beyond the answer's own length: room for separators
 # ("and", "VAR ") and for a longer (wrong) answer to be seen
@@ -76,7 +76,7 @@ def string_match_all(prediction: str, references: list[str]) -> float:
 
 
 def passkey_score(prediction: str, references: list[str]) -> float:
-    from train.metrics import answer_is_correct
+    from train.evaluation.metrics import answer_is_correct
 
     return float(answer_is_correct(prediction, references[0]))
 
@@ -213,7 +213,7 @@ class Task:
 
 
 def _passkey_build(encode, length: int, depth: float, rng: random.Random, *, task: str) -> Case:
-    from train.passkey import passkey_case, random_key
+    from train.recipe.passkey import passkey_case, random_key
 
     key = random_key(rng)
     prompt, answer = passkey_case(encode.tokenizer, length, depth, key, rng)
@@ -253,7 +253,7 @@ def check_task_lengths(tokenizer, tasks, lengths) -> None:
     """UserError (before any weights load) when the shortest length cannot hold a task's fixed parts, naming the
     task that needs the most. The random keys and values vary a little in token count, so a few seeded draws are
     tried (and the suggested minimum has 32 tokens of room)."""
-    from train.metrics import check_passkey_lengths
+    from train.evaluation.metrics import check_passkey_lengths
 
     if "passkey" in tasks:
         check_passkey_lengths(tokenizer, lengths)
@@ -281,12 +281,12 @@ def task_accuracy(model, tokenizer, task: str, *, lengths, depths, trials: int =
 
     Returns passkey_accuracy's shape: {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc},
     "accuracy": acc}, acc the mean score (partial credit for multi-value answers). `split`: decode over a
-    sequence-parallel group and share the batches over the data-parallel groups (train.split_eval), every rank
+    sequence-parallel group and share the batches over the data-parallel groups (train.evaluation.split_eval), every rank
     calling with the same arguments. `progress`: a tqdm bar counting the prompts decoded."""
-    from train.metrics import _summarise, batched, decode_batches
+    from train.evaluation.metrics import _summarise, batched, decode_batches
 
-    if task == "passkey":  # train.metrics' own (its checks and messages)
-        from train.metrics import passkey_accuracy
+    if task == "passkey":  # train.evaluation.metrics' own (its checks and messages)
+        from train.evaluation.metrics import passkey_accuracy
 
         return passkey_accuracy(model, tokenizer, lengths=lengths, depths=depths, trials=trials, seed=seed,
                                 batch_size=batch_size, split=split, progress=progress)

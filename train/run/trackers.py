@@ -1,12 +1,12 @@
 """--report_to of train.qlora: the tracker package checked before any heavy work (check_tracker), the tracker runs
 started in the output directory (init_trackers) and the run's accuracy heatmaps logged as images (log_heatmaps).
-The scalars (train/loss, eval/<task>_accuracy, ...) are logged where they are measured (train.loop, train.qlora)."""
+The scalars (train/loss, eval/<task>_accuracy, ...) are logged where they are measured (train.run.loop, train.qlora)."""
 from __future__ import annotations
 
 import importlib.util
 import os
 
-from train.args import Args
+from train.recipe.args import Args
 from train.errors import UserError
 
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}

@@ -8,7 +8,7 @@ rank = (dp_index * SP + sp_index) * TP + tp_index (tp innermost): a tensor-paral
 the same tp_index (strided by TP; consecutive when TP = 1). With SP = TP = 1 this is plain data parallelism (DDP over
 every process). Under TP there is no DDP: the ranks holding the same slices (the same tp_index, across sp and dp) sum
 their gradients themselves (each sp rank's loss is a share of its sequences' loss, each dp rank's of the step's), or,
-with --fsdp, FSDP2 shards those slices over them and reduces their gradients (train.fsdp).
+with --fsdp, FSDP2 shards those slices over them and reduces their gradients (train.parallel.fsdp).
 """
 from __future__ import annotations
 

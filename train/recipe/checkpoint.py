@@ -7,7 +7,7 @@ A checkpoint holds everything the resumed run needs to repeat the uninterrupted 
     scheduler.pt                                       the scheduler's state_dict
     rng_state.pt                                       python / numpy / torch (and CUDA) RNG, one per rank
     trainer_state.json                                 step, data position (epoch, batch), the schedule's length, args,
-                                                       the metrics window not logged yet (train.loop.MetricsLog)
+                                                       the metrics window not logged yet (train.run.loop.MetricsLog)
 
 It is written into a hidden temp directory inside output_dir and renamed into place, so a crash
 never leaves a half-written checkpoint-N behind, and a failed write (a full disk) removes what it wrote and raises
@@ -47,7 +47,7 @@ class SaveFailed(Exception):
     """Writing part of a run's output failed (a full disk, say); what was written of it has been removed, and the
     checkpoints written before are intact. last_checkpoint: the newest of those, when the writer knows it."""
 
-    report = None  # which process prints it: the main one (train.lifecycle.leave)
+    report = None  # which process prints it: the main one (train.recipe.lifecycle.leave)
 
     def __init__(self, what: str, reason: str, last_checkpoint: str | None = None):
         super().__init__(f"could not write {what}: {reason} (nothing of it was kept)")
@@ -182,8 +182,8 @@ def gathered_states(model, optimizer, main: bool) -> tuple[dict, dict]:
     state dict (keyed by parameter name), the same with or without FSDP, so either run can resume the other's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    from train.deepspeed import gathered_optimizer_state, partitioned
-    from train.fsdp import gathered_trainable_state
+    from train.parallel.deepspeed import gathered_optimizer_state, partitioned
+    from train.parallel.fsdp import gathered_trainable_state
 
     weights = gathered_trainable_state(model, keep=main)
     if partitioned(model):  # DeepSpeed ZeRO-3: gathered from its flat partitions into the same format
@@ -288,7 +288,7 @@ def load(path: str, *, model, optimizer, scheduler, rank: int) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     from torch.distributed.tensor import DTensor
 
-    from train.deepspeed import load_optimizer_state, partitioned
+    from train.parallel.deepspeed import load_optimizer_state, partitioned
 
     state = read_state(path)
     sliced = any(hasattr(p, "tp_dim") for p in model.parameters())

@@ -1,5 +1,5 @@
-"""`python -m train.eval`: passkey retrieval and RULER-style task accuracy (train.tasks) and long-document
-perplexity (train.metrics) of a model.
+"""`python -m train.eval`: passkey retrieval and RULER-style task accuracy (train.evaluation.tasks) and long-document
+perplexity (train.evaluation.metrics) of a model.
 
     python -m train.eval --adapter DIR                       # the model a train.qlora run trained, as it trained it
     python -m train.eval --model_name_or_path M [--rope_scaling yarn --rope_factor 4] [--bits 4]
@@ -7,7 +7,7 @@ perplexity (train.metrics) of a model.
         [--dataset FILE --text_field text] [--max_seq_len N] [--output_json F]
         [--lm_eval_tasks ruler | niah_single_1 ... --lm_eval_limit N [--lm_eval_stock]]
 
-Under `accelerate launch` (or torchrun) it evaluates in training's layout (train.split_eval): the prompts and documents
+Under `accelerate launch` (or torchrun) it evaluates in training's layout (train.evaluation.split_eval): the prompts and documents
 shared out over the data-parallel groups, each split over --sequence_parallel N ranks, the layers sliced over
 --tensor_parallel N ranks, the weights sharded over all ranks with --fsdp; the results are one process's, written by
 the main process.
@@ -16,16 +16,16 @@ the main process.
 a directory without one, such as checkpoint-N, the base from peft's adapter_config.json), and, unless
 given, the settings of the run's own evaluation (tasks, lengths, depths, trials, seed), so it reproduces
 eval.json's "after". Flags override the run; one that contradicts it prints a warning line. RoPE flags are applied by
-train.rope, exactly as training applies them. With neither --adapter nor a model named
+train.recipe.rope, exactly as training applies them. With neither --adapter nor a model named
 it evaluates the tiny model shipped in train/assets/tiny-llama. The results go to --output_json, by default
 DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.json: one entry per task under
 "tasks" (each {"by_length_depth", "by_length", "accuracy"}), and passkey's also at the top level, as before tasks.
 A file already there is merged into (merge_results: what an earlier call measured and this one did not is kept, its
 args under "earlier_calls"), or refused before any weights load when it measured another model or other depths,
 trials, seed or bits; --overwrite replaces it. A bar per task on stderr counts the prompts decoded and the time left.
---lm_eval_tasks runs lm-evaluation-harness's own RULER tasks on the same model, patched (train.harness): their
+--lm_eval_tasks runs lm-evaluation-harness's own RULER tasks on the same model, patched (train.evaluation.harness): their
 scores by length go under "lm_eval".
-Flags follow train.qlora's conventions (train.args): a mistake is one `error:` line, exit 2.
+Flags follow train.qlora's conventions (train.recipe.args): a mistake is one `error:` line, exit 2.
 """
 from __future__ import annotations
 
@@ -37,16 +37,16 @@ from pathlib import Path
 
 import torch
 
-from train import run_dir
-from train.args import TINY_LLAMA_DIR, flag, build_parser, parse_tokens
-from train.deepspeed import LAUNCHER_ENV as DEEPSPEED_LAUNCH_ENV
+from train.recipe import run_dir
+from train.recipe.args import TINY_LLAMA_DIR, flag, build_parser, parse_tokens
+from train.parallel.deepspeed import LAUNCHER_ENV as DEEPSPEED_LAUNCH_ENV
 from train.errors import UserError
-from train.eval_results import check_earlier, merge_results, rope_text, same_model
-from train.lifecycle import silence_library_noise
-from train.metrics import EVAL_SEED, format_perplexity, format_table, perplexity_by_position
-from train.parallel import launched_world_size
-from train.rope import ROPE_TYPES, check_rope_flags, set_rope_scaling
-from train.tasks import DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks, planned_work
+from train.evaluation.eval_results import check_earlier, merge_results, rope_text, same_model
+from train.recipe.lifecycle import silence_library_noise
+from train.evaluation.metrics import EVAL_SEED, format_perplexity, format_table, perplexity_by_position
+from train.parallel.layout import launched_world_size
+from train.recipe.rope import ROPE_TYPES, check_rope_flags, set_rope_scaling
+from train.evaluation.tasks import DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks, planned_work
 
 DEFAULT_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 DEFAULT_OUTPUT_DIR = "outputs/eval"  # results of a model evaluated without --adapter: <model directory name>.json
@@ -70,7 +70,7 @@ class EvalArgs:
                             choices=(4, 8, 16))
     load_in_4bit: bool = flag(False, "Same as --bits 4.")
     tasks: list[str] | None = flag(
-        None, f"Tasks to evaluate, each a table of accuracy by length x depth (train.tasks): {', '.join(TASKS)} "
+        None, f"Tasks to evaluate, each a table of accuracy by length x depth (train.evaluation.tasks): {', '.join(TASKS)} "
         "(default: the run's --eval_tasks, else passkey).")
     lengths: list[int] | None = flag(None, "Context lengths of every task (default: the run's evaluation, else 256 "
                                      "1024).")
@@ -125,13 +125,13 @@ class EvalModel:
     bits: int
     trust_remote_code: bool
     tokenizer_source: str
-    run: object | None  # train.model.TrainedRun when --adapter is given
+    run: object | None  # train.recipe.model.TrainedRun when --adapter is given
 
 
 def plan_model(args: EvalArgs) -> EvalModel:
     """Base, RoPE scaling and bits: a run's own (--adapter), each replaced by its flag when given, with one
     warning line per flag that contradicts what the run was trained with. Cheap: configs only."""
-    from train.model import check_weight_files, load_config, read_run
+    from train.recipe.model import check_weight_files, load_config, read_run
 
     run = read_run(args.adapter, model_name_or_path=args.model_name_or_path) if args.adapter else None
     fill_passkey_defaults(args, run.info if run else None)
@@ -210,7 +210,7 @@ def _warn_contradictions(run, base: str, config, bits: int) -> None:
 
 def load_for_eval(args: EvalArgs, output: str | None = None):
     """(model, tokenizer) that `args` name, on one process: for --adapter, the run's own model, loaded by
-    train.model's code. Every check comes before the weights are read, that `output` (the results file) can be written
+    train.recipe.model's code. Every check comes before the weights are read, that `output` (the results file) can be written
     included."""
     plan, tokenizer = _prepare(args, output)
     return _load_weights(plan), tokenizer
@@ -218,9 +218,9 @@ def load_for_eval(args: EvalArgs, output: str | None = None):
 
 def _prepare(args: EvalArgs, output: str | None):
     """(EvalModel, tokenizer) after every check that needs no weights, the layout's (training's own) included."""
-    from train.fsdp import check_fsdp, use_launcher_fsdp
-    from train.model import load_tokenizer
-    from train.parallel import check_mesh, check_tensor_parallel_model
+    from train.parallel.fsdp import check_fsdp, use_launcher_fsdp
+    from train.recipe.model import load_tokenizer
+    from train.parallel.layout import check_mesh, check_tensor_parallel_model
 
     if os.environ.get(DEEPSPEED_LAUNCH_ENV, "false").lower() == "true":
         raise UserError("train.eval does not run under a DeepSpeed launch; launch with configs/accelerate/cpu_ddp.yaml "
@@ -239,7 +239,7 @@ def _prepare(args: EvalArgs, output: str | None):
 
 
 def _load_weights(plan: EvalModel, shardable: bool = False):
-    from train.model import load_base, load_run_model
+    from train.recipe.model import load_base, load_run_model
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if plan.run is not None:
@@ -252,8 +252,8 @@ def _load_in_layout(plan: EvalModel, args: EvalArgs, layout):
     """The model placed as training places it: sliced over its tensor-parallel group, patched for sequence
     parallelism (the split attention runs in the blockwise patch), sharded with FSDP2; by training's own code."""
     from patches import apply_bpt_patch, is_patched
-    from train.fsdp import shard_model
-    from train.model import slice_model
+    from train.parallel.fsdp import shard_model
+    from train.recipe.model import slice_model
 
     model = _load_weights(plan, shardable=args.fsdp)
     model.requires_grad_(False)  # nothing trains: FSDP keeps every weight as loaded (no fp32 copies)
@@ -275,7 +275,7 @@ def parse_args(argv=None) -> EvalArgs:
     if args.tasks is not None:
         args.tasks = check_task_names(args.tasks)
     if args.lm_eval_tasks is not None:
-        from train import harness
+        from train.evaluation import harness
 
         if args.sequence_parallel > 1 or args.tensor_parallel > 1 or args.fsdp or launched_world_size() > 1:
             raise UserError("--lm_eval_tasks runs in one process (lm-eval's loop cannot share or split its prompts "
@@ -312,7 +312,7 @@ def start_layout(args: EvalArgs):
         return None
     import torch.distributed as dist
 
-    from train.parallel import make_layout
+    from train.parallel.layout import make_layout
 
     if not dist.is_initialized():
         if torch.cuda.is_available():
@@ -322,7 +322,7 @@ def start_layout(args: EvalArgs):
 
 
 def _layout_text(layout, args: EvalArgs, model) -> str:
-    from train.fsdp import local_share
+    from train.parallel.fsdp import local_share
 
     return (f"evaluating on {layout.world} processes: {layout.data_world} data-parallel group(s)"
             + (f", sequences split {layout.sequence_parallel} ways ({layout.mode})" if layout.sequence_parallel > 1
@@ -333,13 +333,13 @@ def _layout_text(layout, args: EvalArgs, model) -> str:
 
 
 def run(args: EvalArgs) -> dict:
-    from train.split_eval import SplitEval, work_done
+    from train.evaluation.split_eval import SplitEval, work_done
 
     output = output_path(args)
     plan, tokenizer = _prepare(args, output)
     prompts = None
-    if args.lm_eval_tasks:  # built before any weights load (train.harness)
-        from train import harness
+    if args.lm_eval_tasks:  # built before any weights load (train.evaluation.harness)
+        from train.evaluation import harness
 
         prompts = harness.build_tasks(tokenizer, plan.tokenizer_source, args.lm_eval_tasks, args.lengths)
     layout = start_layout(args)
@@ -350,7 +350,7 @@ def run(args: EvalArgs) -> dict:
         print(f"evaluating {planned_work(args.tasks, args.lengths, args.depths, args.trials)}, in batches of up to "
               f"{args.batch_size}{shared}", file=sys.stderr, flush=True)
     model = _load_weights(plan) if layout is None else _load_in_layout(plan, args, layout)
-    # Work shared over the data-parallel groups, each sequence over its sequence-parallel group (train.split_eval).
+    # Work shared over the data-parallel groups, each sequence over its sequence-parallel group (train.evaluation.split_eval).
     split = None if layout is None else SplitEval.of(layout, lockstep=args.fsdp)
     if main_process and layout is not None:
         print(_layout_text(layout, args, model), file=sys.stderr, flush=True)
@@ -363,7 +363,7 @@ def run(args: EvalArgs) -> dict:
         if main_process:
             print(format_table(task_result, name))
     if args.dataset:
-        from train.data import load_text_dataset
+        from train.recipe.data import load_text_dataset
 
         ds = load_text_dataset(args.dataset)
         if args.text_field not in ds.column_names:
@@ -379,7 +379,7 @@ def run(args: EvalArgs) -> dict:
         if main_process:
             print(format_perplexity(by_position, max_seq_len))
     if prompts is not None:
-        from train import harness
+        from train.evaluation import harness
 
         raw = harness.simple_evaluate(model, tokenizer, prompts, limit=args.lm_eval_limit,
                                       batch_size=args.batch_size, patched=not args.lm_eval_stock)
@@ -403,7 +403,7 @@ def run(args: EvalArgs) -> dict:
 def _pictures(args: EvalArgs, output: str, result: dict) -> None:
     """<output>_accuracy_<task>.png beside the results (with --adapter, the run's own "before" beside them); when
     the results go into the run's directory, its loss.png too."""
-    from train import plots
+    from train.evaluation import plots
 
     before = None
     if args.adapter:

@@ -133,7 +133,7 @@ def _build_prompt(encode: PieceEncoder, length: int, depth: float, key: str, rng
 
 
 def _eos(tokenizer) -> list[int]:
-    # Every sample ends with EOS, like every document in train.data, so a model learns to stop after
+    # Every sample ends with EOS, like every document in train.recipe.data, so a model learns to stop after
     # the key instead of running on into more digits.
     return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 

@@ -61,7 +61,7 @@ class Planned:
 
 def model_config(name: str, trust_remote_code: bool):
     """(config without this run's RoPE scaling, where it came from); UserError when there is none offline."""
-    from train.model import load_config
+    from train.recipe.model import load_config
 
     local = os.path.expanduser(name)
     if os.path.exists(local) or name.startswith((".", "/", "~")) or name.count("/") > 1:
@@ -89,8 +89,8 @@ def model_config(name: str, trust_remote_code: bool):
 
 
 def scaled(config, args, seq_len: int, notes: list | None = None):
-    """A copy of `config` with the RoPE scaling train.rope gives a run of `seq_len` tokens (its warnings in notes)."""
-    from train.rope import apply_rope_scaling
+    """A copy of `config` with the RoPE scaling train.recipe.rope gives a run of `seq_len` tokens (its warnings in notes)."""
+    from train.recipe.rope import apply_rope_scaling
 
     config = copy.deepcopy(config)
     with warnings.catch_warnings(record=True) as caught:
@@ -116,13 +116,13 @@ def length_cap(config, args) -> tuple[int, str]:
 # ---------------------------------------------------------------- the step's spec
 
 def adapter_layout(config, args) -> tuple[list | None, list | None]:
-    """(LoRA target modules, modules_to_save) as train.model builds them, found on a one-layer model on the meta
+    """(LoRA target modules, modules_to_save) as train.recipe.model builds them, found on a one-layer model on the meta
     device (which also checks that the targets exist, as the run would)."""
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from train.model import lora_config
+    from train.recipe.model import lora_config
 
     shallow = copy.deepcopy(config)
     shallow.num_hidden_layers = 1
@@ -144,11 +144,11 @@ def adapter_layout(config, args) -> tuple[list | None, list | None]:
 def step_spec(args, config, seq_len: int, adapters: tuple, device: str | None = None,
               rope_len: int | None = None) -> dict:
     """The worker spec of one step of this run with --max_seq_len `seq_len` (a rank's share of it), on the simulated
-    `device` (default --plan's; train.memory_check simulates the machine the run is on). RoPE is scaled for
+    `device` (default --plan's; train.run.memory_check simulates the machine the run is on). RoPE is scaled for
     `rope_len` tokens (default `seq_len`): an evaluation at other lengths keeps the trained run's scaling."""
     from bpt.config import BPTConfig
 
-    from train.args import BPT_SIZES
+    from train.recipe.args import BPT_SIZES
 
     blocks = {name: getattr(args, name) for name in BPT_SIZES
               if getattr(args, name) is not None}
@@ -193,7 +193,7 @@ def analytic_extras(args, config, trainable: int) -> list[tuple[str, int]]:
         extras.append((f"gradients kept over --gradient_accumulation_steps {args.gradient_accumulation_steps}, at most",
                        4 * trainable))
     elif args.train_embeddings_and_norms and getattr(config, "tie_word_embeddings", False):
-        # The run ties the output head to the trained embedding copy (train.model.lora_config): its gradient
+        # The run ties the output head to the trained embedding copy (train.recipe.model.lora_config): its gradient
         # is there from the loss on; the simulation keeps the head frozen.
         element = 4 if args.bits < 16 else 2
         extras.append(("gradient of the tied output head", element * config.vocab_size * config.hidden_size))
@@ -257,8 +257,8 @@ def check_plannable(args, config) -> None:
     """UserError for what the run itself would refuse, and for what the simulation does not model."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from train.model import check_bpt_support, check_packing
-    from train.parallel import check_layout
+    from train.recipe.model import check_bpt_support, check_packing
+    from train.parallel.layout import check_layout
 
     if args.bits == 8:
         raise UserError("--plan simulates --bits 4 (NF4, as bitsandbytes stores it) and 16; 8-bit bases are not "

@@ -45,7 +45,7 @@ class SplitEval:
 
     @staticmethod
     def of(layout, lockstep: bool = False) -> "SplitEval | None":
-        """The evaluation split of a train.parallel.Layout; None for one process (nothing to split)."""
+        """The evaluation split of a train.parallel.layout.Layout; None for one process (nothing to split)."""
         if layout.world == 1:
             return None
         return SplitEval(layout.group if layout.sequence_parallel > 1 else None, layout.mode, layout.data_rank,

@@ -2,7 +2,7 @@
 
     base (4-bit NF4 / 8-bit / 16-bit) -> patches.kbit.prepare_kbit_model -> LoRA -> apply_bpt_patch
 
-Cheap checks (`load_config`, `check_weight_files`, `check_bpt_support`, `load_tokenizer`; RoPE: train.rope) run
+Cheap checks (`load_config`, `check_weight_files`, `check_bpt_support`, `load_tokenizer`; RoPE: train.recipe.rope) run
 before any weights are read, so user mistakes fail in a second.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from train.args import BPT_SIZES
+from train.recipe.args import BPT_SIZES
 from train.errors import UserError, one_line
-from train.run_dir import ADAPTER_CONFIG_FILE, RUN_INFO_FILE, read_adapter_dir
+from train.recipe.run_dir import ADAPTER_CONFIG_FILE, RUN_INFO_FILE, read_adapter_dir
 
 def load_config(name_or_path: str, trust_remote_code: bool):
     """The model's config, or UserError when the model cannot be found or read."""
@@ -118,7 +118,7 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 
 def quantization_config(bits: int, dtype: torch.dtype, *, shardable: bool = False) -> BitsAndBytesConfig | None:
     """shardable: keep the packed 4-bit data in `dtype` tensors instead of uint8 ones (the same bytes), which FSDP
-    can shard next to the float parameters (train.fsdp)."""
+    can shard next to the float parameters (train.parallel.fsdp)."""
     if bits == 4:
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                   bnb_4bit_compute_dtype=dtype,
@@ -218,7 +218,7 @@ def build_model(args, config, device: torch.device, *, shardable: bool = False, 
             raise UserError(f"cannot apply LoRA with --lora_target_modules {' '.join(args.lora_target_modules)}: "
                             f"{one_line(error)}") from None
     if weights_from:
-        from train.checkpoint import load_weights
+        from train.recipe.checkpoint import load_weights
 
         load_weights(weights_from, model)
     if tp_group is not None:

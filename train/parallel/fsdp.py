@@ -6,21 +6,21 @@ all, so only our own call shards the same way on gloo (tests) as on NCCL (users)
 config turns `--fsdp` on, and accelerate is then asked for a plain multi-process state (`use_launcher_fsdp`).
 
 What sharding asks of the rest of the run:
-- 4-bit data must live in a float dtype (`bnb_4bit_quant_storage`, train.model.quantization_config): FSDP flattens
+- 4-bit data must live in a float dtype (`bnb_4bit_quant_storage`, train.recipe.model.quantization_config): FSDP flattens
   every parameter of a unit into float buffers; with the default uint8 storage training silently runs at loss 0
   with NaN gradients, so `shard_model` refuses it.
 - Trainable parameters are kept in fp32 (FSDP wants one dtype per unit). The model is put in train mode before
   sharding: in eval mode bitsandbytes on CPU may repack 4-bit data in place,
   and the repacked bytes would not survive FSDP's resharding while the changed quantisation state would.
 - Parameters are DTensor shards: the adapter is saved from `gathered_trainable_state` (a collective), and the
-  optimizer state goes through torch.distributed.checkpoint's full state dict (train.checkpoint).
+  optimizer state goes through torch.distributed.checkpoint's full state dict (train.recipe.checkpoint).
 - Every rank must run every forward (all-gathers): evaluation runs on all ranks, the main one reports.
 - Gradients are reduce-scattered as averages over all processes, as DDP's are: the loss scaling of
-  train.loop.train_step holds unchanged, with or without sequence parallelism (FSDP over all processes, each
+  train.run.loop.train_step holds unchanged, with or without sequence parallelism (FSDP over all processes, each
   sequence-parallel group inside it).
 - With tensor parallelism (`--tensor_parallel N --fsdp`) each rank's modules are its slices
   (patches.tensor_parallel), sharded over the ranks holding the same slices only (its FSDP group: world / N
-  processes), whose gradient average train.loop turns into a sum; the whole LoRA factors' shards are then summed over
+  processes), whose gradient average train.run.loop turns into a sum; the whole LoRA factors' shards are then summed over
   the tensor-parallel group, as without FSDP.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 import torch
 
 from train.errors import UserError
-from train.parallel import launched_world_size
+from train.parallel.layout import launched_world_size
 
 LAUNCHER_FSDP_ENV = "ACCELERATE_USE_FSDP"  # set by `accelerate launch` for a config with distributed_type FSDP
 
@@ -177,7 +177,7 @@ def gathered_trainable_state(model, keep: bool) -> dict[str, torch.Tensor]:
     state = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            if hasattr(param, "ds_id"):  # a DeepSpeed ZeRO-3 partition (train.deepspeed): gathered whole
+            if hasattr(param, "ds_id"):  # a DeepSpeed ZeRO-3 partition (train.parallel.deepspeed): gathered whole
                 from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
                 with GatheredParameters([param]):

@@ -9,7 +9,7 @@ import random
 import torch
 
 from train.errors import UserError
-from train.passkey import DEFAULT_KEY_DIGITS, min_passkey_length, passkey_case, random_key
+from train.recipe.passkey import DEFAULT_KEY_DIGITS, min_passkey_length, passkey_case, random_key
 
 EVAL_SEED = 12345  # passkey prompts of a run's evaluation: disjoint from the training data's seed stream
 
@@ -45,10 +45,10 @@ def _sequence_split(split):
 
 def _greedy(model, batch: torch.Tensor, max_new_tokens: int, pad_token_id, split=None) -> torch.Tensor:
     """Greedy continuation of equal-length prompts [B, L] -> new tokens [B, max_new_tokens]; with a `split`
-    (train.split_eval.SplitEval) that has a sequence-parallel group, every rank of it decodes together, each holding a
+    (train.evaluation.split_eval.SplitEval) that has a sequence-parallel group, every rank of it decodes together, each holding a
     shard. Weights sharded over every rank (split.lockstep): generate's synced_gpus keeps the ranks' forwards in step."""
     if _sequence_split(split) is not None:
-        from train.split_eval import split_greedy
+        from train.evaluation.split_eval import split_greedy
 
         return split_greedy(model, batch, max_new_tokens, split)
     out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), do_sample=False,
@@ -70,9 +70,9 @@ def decode_batches(model, tokenizer, batches: list[list[dict]], *, prompt, new_t
                    progress=None) -> None:
     """Greedy-decode every batch (new_tokens(batch) tokens after each case's prompt(case)) and set each case's
     "correct" to score(case, generated text). With `split` the batches are shared out over its data-parallel groups
-    (train.split_eval.spread): the same batches, so the same answers, as one process. `progress` (a tqdm bar): its
+    (train.evaluation.split_eval.spread): the same batches, so the same answers, as one process. `progress` (a tqdm bar): its
     total set to the prompts this process decodes, advanced after each of its batches."""
-    from train.split_eval import spread
+    from train.evaluation.split_eval import spread
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if progress is not None:  # spread deals batch i to data-parallel group i % data_world
@@ -121,7 +121,7 @@ def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed
 
     Returns {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc}, "accuracy": acc}.
     Prompts of equal token length are batched (no padding needed); batch_size bounds memory. `split`: decode over a
-    sequence-parallel group and share the batches over the data-parallel groups (train.split_eval), every rank calling
+    sequence-parallel group and share the batches over the data-parallel groups (train.evaluation.split_eval), every rank calling
     with the same arguments. `progress`: a tqdm bar counting the prompts decoded (decode_batches).
     """
     check_passkey_lengths(tokenizer, lengths, key_digits)
@@ -149,7 +149,7 @@ def _summarise(cases: list[dict], lengths, depths) -> dict:
 def _loss(model, x: torch.Tensor, labels: torch.Tensor, split=None) -> torch.Tensor:
     """The model's mean loss over the labelled targets; with `split` computed over a sequence-parallel group."""
     if _sequence_split(split) is not None:
-        from train.split_eval import split_loss
+        from train.evaluation.split_eval import split_loss
 
         return split_loss(model, x, split, labels)
     return model(input_ids=x, labels=labels).loss
@@ -163,7 +163,7 @@ def perplexity(model, tokenizer, texts, *, max_seq_len: int, split=None) -> floa
     Uses the model's own loss (labels=input_ids) rather than logits, so it also works when a patch
     computes the loss chunk by chunk without materialising logits.
     """
-    from train.split_eval import spread
+    from train.evaluation.split_eval import spread
 
     chunks = [chunk for text in texts for chunk in _chunks(tokenizer(text)["input_ids"], max_seq_len)
               if len(chunk) >= 2]  # a single token: nothing to predict
@@ -202,7 +202,7 @@ def perplexity_by_position(model, tokenizer, texts, *, max_seq_len: int, n_bucke
     bucket is one forward with the labels outside it masked (-100), so a model that only returns its loss (a
     chunked-loss patch) works too; that costs n_buckets forwards per chunk.
     """
-    from train.split_eval import spread
+    from train.evaluation.split_eval import spread
 
     buckets = position_buckets(max_seq_len, n_buckets)
     forwards = []  # (chunk, bucket, first, last): one forward scoring positions [first, last) of the chunk
@@ -243,7 +243,7 @@ def format_perplexity(result: dict, max_seq_len: int) -> str:
 
 
 def format_table(result: dict, task: str = "passkey", total: bool = True) -> str:
-    """A length x depth table of a task's accuracy (passkey_accuracy's / train.tasks.task_accuracy's result), closed
+    """A length x depth table of a task's accuracy (passkey_accuracy's / train.evaluation.tasks.task_accuracy's result), closed
     by a "<task> accuracy: X" line when `total`."""
     depths = list(next(iter(result["by_length_depth"].values())))
     names = [f"d={d:g}".rjust(4) for d in depths]
