@@ -430,6 +430,3 @@ def main(argv=None) -> int:
             torch.distributed.destroy_process_group()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

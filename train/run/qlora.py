@@ -432,6 +432,3 @@ def main(argv: list[str] | None = None) -> int:
             return leave(interrupted_message(stop, args, argv), stop.exit_code)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
