@@ -15,8 +15,8 @@ import pytest
 
 from cli_helpers import ENV, REPO
 from gloo_processes import free_port
-from train.recipe.args import TINY_LLAMA_DIR
 from train.evaluation.eval import main
+from train.recipe.args import TINY_LLAMA_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,15 +43,15 @@ def one_process(tmp_path_factory):
     return root / "docs.jsonl", json.loads((root / "one.json").read_text())
 
 
-LAYOUTS = {  # name: (flags, what the main process says about the layout)
+LAYOUTS = {  # name: (flags, what the main process says about the layout: train.qlora's words, layout_text)
     "ring_fsdp": (("--sequence_parallel", 2, "--sp_mode", "ring", "--fsdp"),
-                  "1 data-parallel group(s), sequences split 2 ways (ring), FSDP2 over 2 processes, the main one "
+                  "1 data-parallel group(s); sequences split 2 ways (ring); FSDP2 over 2 process(es), the main one "
                   "holding 5"),
     "ulysses_fsdp": (("--sequence_parallel", 2, "--sp_mode", "ulysses", "--fsdp"),
-                     "sequences split 2 ways (ulysses), FSDP2 over 2 processes"),
-    "tensor_parallel": (("--tensor_parallel", 2,), "1 data-parallel group(s), layers split 2 ways"),
+                     "sequences split 2 ways (ulysses); FSDP2 over 2 process(es)"),
+    "tensor_parallel": (("--tensor_parallel", 2,), "1 data-parallel group(s); layers split 2 ways (tensor parallel)"),
     "data_parallel": ((), "2 data-parallel group(s)"),
-    "data_parallel_fsdp": (("--fsdp",), "2 data-parallel group(s), FSDP2 over 2 processes"),
+    "data_parallel_fsdp": (("--fsdp",), "2 data-parallel group(s); FSDP2 over 2 process(es)"),
 }
 
 
@@ -94,8 +94,8 @@ def test_two_processes_in_a_training_layout_equal_one_process(tmp_path, one_proc
      "so they must divide by 8; use --sp_mode ring or fewer tensor-parallel ranks"),
 ], ids=["sp_world", "tp_x_sp_world", "fsdp_int8", "ulysses_local_heads"])
 def test_what_training_refuses_is_refused_with_its_line(tmp_path, capsys, monkeypatch, world, extra, message):
-    """training's own checks and messages (train.parallel, train.parallel.fsdp), before any weights are read. The launcher's
-    WORLD_SIZE is all the checks read, so one process stands for a launch of `world`."""
+    """training's own checks and messages (train.parallel, train.parallel.fsdp), before any weights are read. The
+    launcher's WORLD_SIZE is all the checks read, so one process stands for a launch of `world`."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
     data = tmp_path / "docs.jsonl"
     _documents(data)

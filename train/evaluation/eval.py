@@ -7,8 +7,8 @@ perplexity (train.evaluation.metrics) of a model.
         [--dataset FILE --text_field text] [--max_seq_len N] [--output_json F]
         [--lm_eval_tasks ruler | niah_single_1 ... --lm_eval_limit N [--lm_eval_stock]]
 
-Under `accelerate launch` (or torchrun) it evaluates in training's layout (train.evaluation.split_eval): the prompts and documents
-shared out over the data-parallel groups, each split over --sequence_parallel N ranks, the layers sliced over
+Under `accelerate launch` (or torchrun) it evaluates in training's layout (train.evaluation.split_eval): the prompts and
+documents shared out over the data-parallel groups, each split over --sequence_parallel N ranks, the layers sliced over
 --tensor_parallel N ranks, the weights sharded over all ranks with --fsdp; the results are one process's, written by
 the main process.
 
@@ -23,8 +23,8 @@ DIR/eval_results.json with --adapter, else outputs/eval/<model directory name>.j
 A file already there is merged into (merge_results: what an earlier call measured and this one did not is kept, its
 args under "earlier_calls"), or refused before any weights load when it measured another model or other depths,
 trials, seed or bits; --overwrite replaces it. A bar per task on stderr counts the prompts decoded and the time left.
---lm_eval_tasks runs lm-evaluation-harness's own RULER tasks on the same model, patched (train.evaluation.harness): their
-scores by length go under "lm_eval".
+--lm_eval_tasks runs lm-evaluation-harness's own RULER tasks on the same model, patched (train.evaluation.harness):
+their scores by length go under "lm_eval".
 Flags follow train.qlora's conventions (train.recipe.args): a mistake is one `error:` line, exit 2.
 """
 from __future__ import annotations
@@ -37,16 +37,17 @@ from pathlib import Path
 
 import torch
 
-from train.recipe import run_dir
-from train.recipe.args import TINY_LLAMA_DIR, flag, build_parser, parse_tokens
-from train.parallel.deepspeed import LAUNCHER_ENV as DEEPSPEED_LAUNCH_ENV
 from train.errors import UserError
 from train.evaluation.eval_results import check_earlier, merge_results, rope_text, same_model
-from train.recipe.lifecycle import silence_library_noise
 from train.evaluation.metrics import EVAL_SEED, format_perplexity, format_table, perplexity_by_position
-from train.parallel.layout import launched_world_size
+from train.evaluation.tasks import (DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks,
+                                    planned_work)
+from train.parallel.deepspeed import LAUNCHER_ENV as DEEPSPEED_LAUNCH_ENV
+from train.parallel.layout import launched_world_size, start_layout
+from train.recipe import run_dir
+from train.recipe.args import TINY_LLAMA_DIR, build_parser, flag, parse_tokens
+from train.recipe.lifecycle import silence_library_noise
 from train.recipe.rope import ROPE_TYPES, check_rope_flags, set_rope_scaling
-from train.evaluation.tasks import DEFAULT_TASKS, TASKS, check_task_lengths, check_task_names, evaluate_tasks, planned_work
 
 DEFAULT_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 DEFAULT_OUTPUT_DIR = "outputs/eval"  # results of a model evaluated without --adapter: <model directory name>.json
@@ -70,8 +71,8 @@ class EvalArgs:
                             choices=(4, 8, 16))
     load_in_4bit: bool = flag(False, "Same as --bits 4.")
     tasks: list[str] | None = flag(
-        None, f"Tasks to evaluate, each a table of accuracy by length x depth (train.evaluation.tasks): {', '.join(TASKS)} "
-        "(default: the run's --eval_tasks, else passkey).")
+        None, "Tasks to evaluate, each a table of accuracy by length x depth (train.evaluation.tasks): "
+        f"{', '.join(TASKS)} (default: the run's --eval_tasks, else passkey).")
     lengths: list[int] | None = flag(None, "Context lengths of every task (default: the run's evaluation, else 256 "
                                      "1024).")
     depths: list[float] | None = flag(
@@ -210,8 +211,8 @@ def _warn_contradictions(run, base: str, config, bits: int) -> None:
 
 def load_for_eval(args: EvalArgs, output: str | None = None):
     """(model, tokenizer) that `args` name, on one process: for --adapter, the run's own model, loaded by
-    train.recipe.model's code. Every check comes before the weights are read, that `output` (the results file) can be written
-    included."""
+    train.recipe.model's code. Every check comes before the weights are read, that `output` (the results file) can be
+    written included."""
     plan, tokenizer = _prepare(args, output)
     return _load_weights(plan), tokenizer
 
@@ -219,8 +220,8 @@ def load_for_eval(args: EvalArgs, output: str | None = None):
 def _prepare(args: EvalArgs, output: str | None):
     """(EvalModel, tokenizer) after every check that needs no weights, the layout's (training's own) included."""
     from train.parallel.fsdp import check_fsdp, use_launcher_fsdp
-    from train.recipe.model import load_tokenizer
     from train.parallel.layout import check_mesh, check_tensor_parallel_model
+    from train.recipe.model import load_tokenizer
 
     if os.environ.get(DEEPSPEED_LAUNCH_ENV, "false").lower() == "true":
         raise UserError("train.eval does not run under a DeepSpeed launch; launch with configs/accelerate/cpu_ddp.yaml "
@@ -248,22 +249,14 @@ def _load_weights(plan: EvalModel, shardable: bool = False):
                      trust_remote_code=plan.trust_remote_code, shardable=shardable)
 
 
-def _load_in_layout(plan: EvalModel, args: EvalArgs, layout):
-    """The model placed as training places it: sliced over its tensor-parallel group, patched for sequence
-    parallelism (the split attention runs in the blockwise patch), sharded with FSDP2; by training's own code."""
+def _split_patch(args: EvalArgs):
+    """What place_model patches the slices with: under --sequence_parallel the blockwise patch, where the split
+    attention runs (loss-only in eval mode, as training patches it); else nothing (the model as loaded)."""
+    if args.sequence_parallel == 1:
+        return None
     from patches import apply_bpt_patch, is_patched
-    from train.parallel.fsdp import shard_model
-    from train.recipe.model import slice_model
 
-    model = _load_weights(plan, shardable=args.fsdp)
-    model.requires_grad_(False)  # nothing trains: FSDP keeps every weight as loaded (no fp32 copies)
-    if args.tensor_parallel > 1:
-        slice_model(model, args.tensor_parallel, layout.tp_group)
-    if args.sequence_parallel > 1 and not is_patched(model):
-        apply_bpt_patch(model, eval_logits=False)  # loss-only in eval mode, as training patches it
-    if args.fsdp:  # under TP each slice over the ranks holding it, as training shards it
-        shard_model(model, group=layout.tp_data_group)  # None without TP: every process
-    return model
+    return lambda sliced: None if is_patched(sliced) else apply_bpt_patch(sliced, eval_logits=False)
 
 
 def parse_args(argv=None) -> EvalArgs:
@@ -304,36 +297,9 @@ def output_path(args: EvalArgs) -> str:
     return os.path.join(DEFAULT_OUTPUT_DIR, f"{name}.json")
 
 
-def start_layout(args: EvalArgs):
-    """None for one process; else this process's place in training's (dp, sp, tp) layout (train.parallel), the
-    process group started from the launcher's environment (gloo on CPU, NCCL with one GPU per process)."""
-    world = launched_world_size()
-    if world == 1:
-        return None
-    import torch.distributed as dist
-
-    from train.parallel.layout import make_layout
-
-    if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return make_layout(world, dist.get_rank(), args)
-
-
-def _layout_text(layout, args: EvalArgs, model) -> str:
-    from train.parallel.fsdp import local_share
-
-    return (f"evaluating on {layout.world} processes: {layout.data_world} data-parallel group(s)"
-            + (f", sequences split {layout.sequence_parallel} ways ({layout.mode})" if layout.sequence_parallel > 1
-               else "")
-            + (f", layers split {layout.tensor_parallel} ways" if layout.tensor_parallel > 1 else "")
-            + (f", FSDP2 over {layout.world // layout.tensor_parallel} processes, the main one holding {100 * local_share(model):.1f}% of the "
-               "weights" if args.fsdp else ""))
-
-
 def run(args: EvalArgs) -> dict:
     from train.evaluation.split_eval import SplitEval, work_done
+    from train.parallel.placement import layout_text, place_model
 
     output = output_path(args)
     plan, tokenizer = _prepare(args, output)
@@ -349,11 +315,17 @@ def run(args: EvalArgs) -> dict:
                   if layout is not None and layout.data_world > 1 else "")
         print(f"evaluating {planned_work(args.tasks, args.lengths, args.depths, args.trials)}, in batches of up to "
               f"{args.batch_size}{shared}", file=sys.stderr, flush=True)
-    model = _load_weights(plan) if layout is None else _load_in_layout(plan, args, layout)
-    # Work shared over the data-parallel groups, each sequence over its sequence-parallel group (train.evaluation.split_eval).
+    if layout is None:
+        model = _load_weights(plan)
+    else:  # placed as training places it, by training's own code; nothing trains: FSDP keeps every weight as loaded
+        model = _load_weights(plan, shardable=args.fsdp).requires_grad_(False)
+        model, _, _ = place_model(model, args, layout, patch=_split_patch(args))
+    # Work shared over the data-parallel groups, each sequence over its sequence-parallel group
+    # (train.evaluation.split_eval).
     split = None if layout is None else SplitEval.of(layout, lockstep=args.fsdp)
     if main_process and layout is not None:
-        print(_layout_text(layout, args, model), file=sys.stderr, flush=True)
+        print(f"evaluating on {layout.world} processes: {layout.data_world} data-parallel group(s)"
+              + layout_text(layout, model), file=sys.stderr, flush=True)
     tasks = evaluate_tasks(model, tokenizer, args.tasks, lengths=args.lengths, depths=args.depths,
                            trials=args.trials, seed=args.seed, batch_size=args.batch_size, split=split,
                            progress=main_process)

@@ -116,3 +116,20 @@ def make_layout(world: int, rank: int, args) -> Layout:
         group, tp_group, tp_data_group = mesh_groups(n, tp)
     return Layout(world=world, rank=rank, sequence_parallel=n, mode=args.sp_mode, group=group,
                   tensor_parallel=tp, tp_group=tp_group, tp_data_group=tp_data_group, fsdp=args.fsdp)
+
+
+def start_layout(args) -> Layout | None:
+    """None for one process; else this process's place in the (dp, sp, tp) layout, the process group first started
+    from the launcher's environment (gloo on CPU, NCCL with one GPU per process): for a command without accelerate's
+    own start (train.eval)."""
+    world = launched_world_size()
+    if world == 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return make_layout(world, dist.get_rank(), args)

@@ -2,6 +2,8 @@
 
     base (4-bit NF4 / 8-bit / 16-bit) -> patches.kbit.prepare_kbit_model -> LoRA -> apply_bpt_patch
 
+(the patch goes on where the model is placed, train.parallel.placement, after tensor-parallel slicing).
+
 Cheap checks (`load_config`, `check_weight_files`, `check_bpt_support`, `load_tokenizer`; RoPE: train.recipe.rope) run
 before any weights are read, so user mistakes fail in a second.
 """
@@ -15,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from train.recipe.args import BPT_SIZES
 from train.errors import UserError, one_line
+from train.recipe.args import BPT_SIZES
 from train.recipe.run_dir import ADAPTER_CONFIG_FILE, RUN_INFO_FILE, read_adapter_dir
 
 def load_config(name_or_path: str, trust_remote_code: bool):
@@ -191,13 +193,12 @@ def _quiet_checkpointing_renames():
         yield
 
 
-def build_model(args, config, device: torch.device, *, shardable: bool = False, tp_group=None,
-                weights_from: str | None = None):
-    """(peft model ready to train, BPT handle or None), in the order the recipe requires. shardable (implied by
+def build_model(args, config, device: torch.device, *, shardable: bool = False, weights_from: str | None = None):
+    """The peft model to train, whole on this process: base, k-bit preparation, LoRA, in the order the recipe
+    requires; train.parallel.placement.place_model then slices, patches and shards it. shardable (implied by
     --fsdp): 4-bit data in a float storage, which FSDP2 and ZeRO-3 can split. `weights_from`: a checkpoint whose
-    (whole) adapter replaces the fresh one. With `tp_group` the layers are sliced over that tensor-parallel group
-    once LoRA is on (patches.tensor_parallel): the factors are drawn (or loaded) whole, as one process has them,
-    and sliced."""
+    (whole) adapter replaces the fresh one: the factors are drawn (or loaded) whole, as one process has them, and
+    sliced by the placement under --tensor_parallel."""
     from peft import get_peft_model
 
     from patches.kbit import prepare_kbit_model
@@ -221,20 +222,7 @@ def build_model(args, config, device: torch.device, *, shardable: bool = False, 
         from train.recipe.checkpoint import load_weights
 
         load_weights(weights_from, model)
-    if tp_group is not None:
-        slice_model(model, args.tensor_parallel, tp_group)
-    return model, patch(model, args)
-
-
-def slice_model(model, size: int, tp_group) -> None:
-    """Slice `model`'s layers over its tensor-parallel group (patches.tensor_parallel), in place (training and
-    train.eval alike)."""
-    from patches.tensor_parallel import tensor_parallel
-
-    try:
-        tensor_parallel(model, tp_group)
-    except ValueError as error:
-        raise UserError(f"cannot split the model over --tensor_parallel {size}: {one_line(error)}") from None
+    return model
 
 
 def patch(model, args):

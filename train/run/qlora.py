@@ -12,7 +12,8 @@ Then: base -> k-bit prep -> LoRA -> BPT patch (train.recipe.model), the loop, th
 
 Files in --output_dir (written by the main process only): see train.recipe.run_dir. --report_to tensorboard writes
 train.qlora/events.* there too; --report_to wandb its wandb/ run directory (unless WANDB_DIR says otherwise).
-The loop itself (data order, optimizer step, metrics, checkpoints) is train.run.loop; the metrics train.evaluation.metrics.
+The loop itself (data order, optimizer step, metrics, checkpoints) is train.run.loop; the metrics
+train.evaluation.metrics.
 
 SIGINT / SIGTERM (Ctrl-C, a cluster's preemption): the loop finishes the optimizer step it is in, writes
 checkpoint-N, prints where it is and the command that resumes, and exits 130 / 143. A second signal
@@ -33,13 +34,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train.recipe import checkpoint, run_dir
-from train.run import loop
-from train.recipe.args import TINY_LLAMA_DIR, Args, parse_args
 from train.errors import UserError
-from train.recipe.lifecycle import SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise, stopped_message
 from train.evaluation.metrics import EVAL_SEED
 from train.parallel.layout import launched_world_size, make_layout
+from train.recipe import checkpoint, run_dir
+from train.recipe.args import TINY_LLAMA_DIR, Args, parse_args
+from train.recipe.lifecycle import (SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise,
+                                    stopped_message)
+from train.run import loop
 from train.run.peers import PeerLost
 from train.run.plan import PlanFailed, print_plan
 from train.run.trackers import check_tracker, init_trackers, log_heatmaps
@@ -69,13 +71,13 @@ class Preflight:
 
 def preflight(args: Args) -> Preflight:
     """Every check that needs no weights, in the order a user would fix them. Raises UserError."""
-    from train.recipe.data import check_source
     from train.parallel.deepspeed import check_zero3, launcher_zero3
     from train.parallel.fsdp import check_fsdp, use_launcher_fsdp
-    from train.run.memory_check import check_memory
-    from train.recipe.model import check_bpt_support, check_packing, check_weight_files, load_config, load_tokenizer
     from train.parallel.layout import check_layout, check_tensor_parallel_model
+    from train.recipe.data import check_source
+    from train.recipe.model import check_bpt_support, check_packing, check_weight_files, load_config, load_tokenizer
     from train.recipe.rope import apply_rope_scaling
+    from train.run.memory_check import check_memory
 
     check_tracker(args.report_to)
     zero3 = launcher_zero3()  # first: accelerate must not build its own DeepSpeed engine, whatever fails later
@@ -220,16 +222,16 @@ def eval_tasks(args: Args) -> list[str]:
 
 def _evaluate(accelerator, model, tokenizer, args: Args, when: str, eval_path: str, evals: dict,
               step: int, layout) -> dict | None:
-    """Accuracy of each --eval_tasks task, evaluated in the training layout (train.evaluation.split_eval): the prompts shared
-    out over the data-parallel groups, each split over its sequence-parallel group as training splits its rows, every
-    forward of sharded (FSDP, ZeRO-3) or sliced (TP) weights a collective of the ranks holding them; the answers are
-    one process's. The main process prints them, logs them to the tracker at `step` (eval/<task>_accuracy, and
+    """Accuracy of each --eval_tasks task, evaluated in the training layout (train.evaluation.split_eval): the prompts
+    shared out over the data-parallel groups, each split over its sequence-parallel group as training splits its rows,
+    every forward of sharded (FSDP, ZeRO-3) or sliced (TP) weights a collective of the ranks holding them; the answers
+    are one process's. The main process prints them, logs them to the tracker at `step` (eval/<task>_accuracy, and
     _<length>) and writes them to eval.json under `when` ("before"/"after") beside the earlier results in `evals`:
     {"tasks": {task: result}}, passkey's result also at the top level."""
-    from train.parallel.deepspeed import partitioned
     from train.evaluation.metrics import format_table
     from train.evaluation.split_eval import SplitEval
     from train.evaluation.tasks import evaluate_tasks
+    from train.parallel.deepspeed import partitioned
 
     def report(tasks: dict) -> dict:
         logged = {}
@@ -263,9 +265,9 @@ def run(args: Args) -> RunResult:
     """The whole run; returns the trained model (for in-process use and tests)."""
     from accelerate.utils import set_seed
 
-    from train.parallel import deepspeed
-    from train.parallel.fsdp import gathered_trainable_state, local_share, shard_model
-    from train.recipe.model import build_model
+    from train.parallel.fsdp import gathered_trainable_state
+    from train.parallel.placement import layout_text, place_model
+    from train.recipe.model import build_model, patch
 
     started = time.time()
     silence_library_noise()
@@ -288,32 +290,20 @@ def run(args: Args) -> RunResult:
     set_seed(args.seed)
     zero3 = plan.zero3
     # Resuming: every rank loads the whole adapter, before slicing (TP), sharding (FSDP, ZeRO-3) or wrapping (DDP).
-    model, _handle = build_model(args, plan.config, accelerator.device, shardable=zero3 is not None,
-                                 tp_group=layout.tp_group, weights_from=plan.resume_path)
-    if args.fsdp:
-        # the optimizer must see the shards; under TP each slice is sharded over the ranks holding it
-        shard_model(model, cpu_offload=args.fsdp_cpu_offload, group=layout.tp_data_group)
-    optimizer = loop.make_optimizer(model, args)
-    scheduler = loop.make_scheduler(optimizer, args, steps)
-    if zero3:  # the engine partitions the model and steps the optimizer; the scheduler drives its param groups
-        model = deepspeed.initialize(model, optimizer, args, zero3, accelerator.num_processes)
-    elif args.fsdp or layout.tensor_parallel > 1:  # no DDP: it would average different slices (TP)
-        optimizer = accelerator.prepare(optimizer)
-    else:
-        model, optimizer = accelerator.prepare(model, optimizer)
+    model = build_model(args, plan.config, accelerator.device, shardable=zero3 is not None,
+                        weights_from=plan.resume_path)
+
+    def optimize(placed):
+        optimizer = loop.make_optimizer(placed, args)
+        return optimizer, loop.make_scheduler(optimizer, args, steps)
+
+    model, optimizer, scheduler = place_model(model, args, layout, patch=lambda sliced: patch(sliced, args),
+                                              optimize=optimize, accelerator=accelerator, zero3=zero3)
     if main_process:
         print(f"{trainable_text(model, layout.tensor_parallel)}; {len(dataset)} rows of {args.max_seq_len} tokens; "
               f"{steps} steps on {accelerator.num_processes} process(es)"
-              + (f"; sequences split {layout.sequence_parallel} ways ({layout.mode})"
-                 if layout.sequence_parallel > 1 else "")
-              + (f"; layers split {layout.tensor_parallel} ways (tensor parallel)" if layout.tensor_parallel > 1 else "")
-              + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else "")
-              + (fsdp_note(args, layout, local_share(model)) if args.fsdp else "")
-              + (f"; DeepSpeed ZeRO-3 over {accelerator.num_processes} process(es), the main one holding "
-                 f"{100 * deepspeed.local_share(model):.1f}% of the weights"
-                 + (" in host memory" if zero3.offload_param else "")
-                 + (", its optimizer state in host memory" if zero3.offload_optimizer else "") if zero3 else ""),
-              file=sys.stderr)
+              + layout_text(layout, model, cpu_offload=args.fsdp_cpu_offload, zero3=zero3)
+              + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else ""), file=sys.stderr)
         if warmup_note(args, steps):
             print(warmup_note(args, steps), file=sys.stderr)
     start_step, position = start_position(accelerator, args, plan.resume_path, model, optimizer, scheduler, steps)
@@ -386,15 +376,6 @@ def warmup_note(args: Args, steps: int) -> str | None:
     return (f"note: --warmup_steps {args.warmup_steps} is not shorter than the run's {steps} steps, so the learning "
             f"rate never reaches --learning_rate {args.learning_rate:g} (the last step's is "
             f"{args.learning_rate * (steps - 1) / args.warmup_steps:.3g}); lower --warmup_steps to reach it")
-
-
-def fsdp_note(args: Args, layout, share: float) -> str:
-    """How FSDP2 split the weights, for the run's opening line; `share`: the main process's part of what it holds."""
-    where = " in host memory" if args.fsdp_cpu_offload else ""
-    if layout.tensor_parallel == 1:
-        return f"; FSDP2 over {layout.world} process(es), the main one holding {100 * share:.1f}% of the weights{where}"
-    return (f"; FSDP2 over the {layout.world // layout.tensor_parallel} process(es) holding each slice, the main one "
-            f"holding {100 * share:.1f}% of its slices{where}")
 
 
 def finished_message(args: Args, steps: int) -> str:
