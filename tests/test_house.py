@@ -5,7 +5,10 @@
   reaches up (it benchmarks the patch);
 - no import circle among the modules of bpt/, patches/ and train/;
 - no source file over 450 lines outside tests/;
-- process groups are created in exactly one function (bpt/mesh.py mesh_groups).
+- process groups are created in exactly one function (bpt/mesh.py mesh_groups);
+- train/ is in rooms (run, evaluation, recipe, parallel) whose imports run one way, down TRAIN_ROOMS, and no module
+  imports a private name from another room; a model is placed in the process layout in one function
+  (train/parallel/placement.py place_model), which train.qlora and train.eval both call.
 
 Imports counted: every `import` / `from ... import` statement anywhere in a module, at module level or inside a
 function (a function-level import runs when the function does, so it still binds the two modules together; a circle
@@ -25,6 +28,13 @@ MAX_LINES = 450
 # The calls that create process groups (torch.distributed and its device mesh).
 GROUP_MAKERS = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "init_device_mesh",
                 "DeviceMesh"}
+# train/'s rooms, top down: an import from one to another runs down this list. At the top of train/ stand the
+# `python -m` entries (above every room) and train.errors (below them all: the UserError every room raises).
+TRAIN_ROOMS = ("train", "train.run", "train.evaluation", "train.recipe", "train.parallel", "train.errors")
+TRAIN_ENTRIES = {"train", "train.qlora", "train.eval", "train.pretrain_tiny"}
+# The calls that place a model in the process layout (slice, shard, hand to DeepSpeed, wrap in DDP) and where each
+# may stand: place_model, or inside the one function that wraps the library's call.
+PLACING = {"slice_model", "shard_model", "initialize", "prepare", "tensor_parallel", "fully_shard"}
 
 
 def _modules() -> dict[str, Path]:
@@ -73,6 +83,31 @@ def _top(name: str) -> str:
     return name.split(".")[0]
 
 
+def _room(module: str) -> str:
+    """The room of a module of train/ (its entries' room is "train")."""
+    return max((room for room in TRAIN_ROOMS if module == room or module.startswith(room + ".")), key=len)
+
+
+def _calls(path: Path):
+    """(called name, the outermost function the call is in or None) of every call in a module."""
+    found = set()
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = function
+            if function is None and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = child.name
+            if isinstance(child, ast.Call):
+                called = child.func.attr if isinstance(child.func, ast.Attribute) else \
+                    child.func.id if isinstance(child.func, ast.Name) else None
+                if called is not None:
+                    found.add((called, function))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), None)
+    return found
+
+
 def test_the_engine_imports_neither_patches_nor_train():
     modules = _modules()
     graph = _imports(modules)
@@ -117,24 +152,68 @@ def test_no_source_file_over_450_lines_outside_tests():
 
 
 def test_process_groups_are_created_in_one_function():
-    makers = set()
-    for name, path in _modules().items():
-        tree = ast.parse(path.read_text())
-
-        def visit(node, function):
-            for child in ast.iter_child_nodes(node):
-                inner = function
-                if function is None and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    inner = child.name
-                if isinstance(child, ast.Call):
-                    called = child.func.attr if isinstance(child.func, ast.Attribute) else \
-                        child.func.id if isinstance(child.func, ast.Name) else None
-                    if called in GROUP_MAKERS:
-                        makers.add((name, function))
-                visit(child, inner)
-
-        visit(tree, None)
+    makers = {(name, function) for name, path in _modules().items() for called, function in _calls(path)
+              if called in GROUP_MAKERS}
     assert makers == {("bpt.mesh", "mesh_groups")}, makers
+
+
+def test_train_is_in_rooms_whose_imports_run_one_way():
+    modules = {name: path for name, path in _modules().items() if _top(name) == "train"}
+    flat = sorted(name for name in modules if name.count(".") == 1 and name not in TRAIN_ROOMS and
+                  modules[name].name != "__init__.py" and name not in TRAIN_ENTRIES)
+    assert not flat, f"modules at the top of train/ that are neither an entry nor errors: put them in a room: {flat}"
+    assert {_room(name) for name in modules} == set(TRAIN_ROOMS)
+    order = {room: rank for rank, room in enumerate(TRAIN_ROOMS)}
+    up = sorted(f"{module} -> {target}" for module, edges in _imports(modules).items() for target, _ in edges
+                if order[_room(module)] > order[_room(target)])
+    assert not up, f"imports up train/'s rooms (the order: {' -> '.join(TRAIN_ROOMS)}): {up}"
+
+
+def test_no_private_name_crosses_a_room_of_train():
+    modules = _modules()
+    crossing = []
+    for name, path in modules.items():
+        if _top(name) != "train":
+            continue
+        bound = {}  # local name -> the module of train/ it names
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("train"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    if full in modules:
+                        bound[alias.asname or alias.name] = full
+                    elif alias.name.startswith("_") and _room(node.module) != _room(name):
+                        crossing.append(f"{name}: from {node.module} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                bound.update({alias.asname: alias.name for alias in node.names
+                              if alias.asname and alias.name in modules and _top(alias.name) == "train"})
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound \
+                    and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and _room(bound[node.value.id]) != _room(name):
+                crossing.append(f"{name}: {bound[node.value.id]}.{node.attr}")
+    assert not crossing, f"private names used across train/'s rooms (make them public or move them): {crossing}"
+
+
+def test_a_model_is_placed_in_the_layout_in_one_function():
+    """Slicing (TP), sharding (FSDP2), DeepSpeed's engine and accelerate's DDP wrapping are called in place_model
+    only (each library call also inside the one function of ours that wraps it), and both commands place through it:
+    train.qlora's run and train.eval's."""
+    modules = {name: path for name, path in _modules().items() if _top(name) == "train"}
+    placing = {(name, called, function) for name, path in modules.items() for called, function in _calls(path)
+               if called in PLACING}
+    assert placing == {
+        ("train.parallel.placement", "slice_model", "place_model"),
+        ("train.parallel.placement", "tensor_parallel", "slice_model"),  # patches.tensor_parallel's
+        ("train.parallel.placement", "shard_model", "place_model"),
+        ("train.parallel.fsdp", "fully_shard", "shard_model"),  # torch's
+        ("train.parallel.placement", "initialize", "place_model"),
+        ("train.parallel.deepspeed", "initialize", "initialize"),  # the deepspeed library's
+        ("train.parallel.placement", "prepare", "place_model"),  # accelerate's (DDP)
+    }, placing
+    callers = {(name, function) for name, path in modules.items() for called, function in _calls(path)
+               if called == "place_model"}
+    assert callers == {("train.run.qlora", "run"), ("train.evaluation.eval", "run")}, callers
 
 
 def test_the_moved_names_are_still_importable_where_users_found_them():
