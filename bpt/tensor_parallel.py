@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 # What patches.tensor_parallel marks on the parameters it slices (tp_dim, tp_group, tp_parts) or leaves whole with
-# partial gradients (tp_partial): FSDP2 replaces the parameters by its shards, which get the same marks (train.parallel.fsdp).
+# partial gradients (tp_partial): FSDP2 replaces the parameters by its shards, which get the same marks
+# (train.parallel.fsdp).
 MARKS = ("tp_dim", "tp_group", "tp_parts", "tp_partial")
 
 

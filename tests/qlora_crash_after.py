@@ -1,6 +1,7 @@
 """`python tests/qlora_crash_after.py STEP <train.qlora flags>`: train.qlora whose processes exit 3 right after
 checkpoint-STEP is written, as a crash after a save would leave the run. For runs under `accelerate launch`, where a
-test cannot patch the processes itself: the patch is applied here, in each process (train.run.loop has no test hooks)."""
+test cannot patch the processes itself: the patch is applied here, in each process (train.run.loop has no test
+hooks)."""
 from __future__ import annotations
 
 import sys

@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 import torch
 
-from train.recipe.data import Collator, DataWarning, build_train_dataset, load_text_dataset
 from train.errors import UserError
-from train.recipe.passkey import QUESTION, key_line, passkey_dataset, passkey_prompt
 from train.pretrain_tiny import build_tokenizer
+from train.recipe.data import Collator, DataWarning, build_train_dataset, load_text_dataset
+from train.recipe.passkey import QUESTION, key_line, passkey_dataset, passkey_prompt
 
 DOCS = ["The cat sat.", "A much longer second document, with commas.", "Third!"]
 

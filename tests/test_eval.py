@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from train.recipe.args import TINY_LLAMA_DIR
 from train.evaluation.eval import main
 from train.evaluation.metrics import answer_is_correct, passkey_accuracy, perplexity
 from train.pretrain_tiny import build_tokenizer
+from train.recipe.args import TINY_LLAMA_DIR
 
 LENGTHS, DEPTHS = [120, 160], [0.0, 1.0]
 

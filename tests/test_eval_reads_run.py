@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-from train.recipe.args import TINY_LLAMA_DIR
 from train.evaluation.eval import load_for_eval, main, parse_args
+from train.recipe.args import TINY_LLAMA_DIR
 
 TRAIN_LENGTH = 256  # twice the base's 128 positions: RoPE x2
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models on a shared CPU: one thread (conftest)

@@ -1,7 +1,8 @@
 """`python -m train.eval --lm_eval_tasks`: lm-evaluation-harness's RULER tasks through its HFLM wrapper around the
 patched model (train.evaluation.harness). The patched model generates what stock transformers generates through the same
-lm-eval loop, and our own decoding and scoring (train.evaluation.metrics._greedy, train.evaluation.tasks.string_match_all) of lm-eval's
-prompts give lm-eval's texts and scores. The lm-eval tests skip where it is not installed (pip install -e ".[ruler]").
+lm-eval loop, and our own decoding and scoring (train.evaluation.metrics._greedy,
+train.evaluation.tasks.string_match_all) of lm-eval's prompts give lm-eval's texts and scores. The lm-eval tests skip
+where it is not installed (pip install -e ".[ruler]").
 """
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import torch
 import yaml
 
 from cli_helpers import error_line
-from train.evaluation import harness
-from train.recipe.args import TINY_LLAMA_DIR
 from train.errors import UserError
+from train.evaluation import harness
 from train.evaluation.eval import main
+from train.recipe.args import TINY_LLAMA_DIR
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HAS_LM_EVAL = all(importlib.util.find_spec(name) for name in ("lm_eval", "wonderwords", "nltk"))
@@ -118,8 +119,8 @@ def test_patched_generates_what_stock_does_through_hflm(prompts, stock_run):
 
 @needs_lm_eval
 def test_our_decoding_and_scoring_of_lm_eval_prompts_agree(prompts, stock_run):
-    """lm-eval's prompts (prompt + references), decoded by train.evaluation.metrics._greedy and scored by train.evaluation.tasks: the
-    same texts and per-prompt scores as lm-eval's, hence its per-length score."""
+    """lm-eval's prompts (prompt + references), decoded by train.evaluation.metrics._greedy and scored by
+    train.evaluation.tasks: the same texts and per-prompt scores as lm-eval's, hence its per-length score."""
     from lm_eval.tasks.ruler.common_utils import process_results
 
     from train.evaluation.metrics import _greedy
@@ -163,8 +164,8 @@ def test_adapter_run_4bit_yarn_patched_equals_stock(tmp_path, capsys):
     """A train.qlora run's model as train.eval loads it (4-bit base, YaRN, LoRA adapter: a PeftModel) through HFLM:
     the CLI runs, and the patched model generates what the stock one does."""
     from cli_helpers import save_tiny_llama
-    from train.recipe.args import parse_args as train_args
     from train.evaluation.eval import load_for_eval, parse_args
+    from train.recipe.args import parse_args as train_args
     from train.run.qlora import run
 
     save_tiny_llama(tmp_path / "base")

@@ -1,6 +1,6 @@
-"""The memory preflight (train.run.memory_check, issue 28 item 1): a run that cannot fit this machine's memory is refused
-in one line before anything big is allocated, with the estimate, the memory available and the longest --max_seq_len
-that fits; --skip_memory_check runs it anyway; normal runs pass."""
+"""The memory preflight (train.run.memory_check, issue 28 item 1): a run that cannot fit this machine's memory is
+refused in one line before anything big is allocated, with the estimate, the memory available and the longest
+--max_seq_len that fits; --skip_memory_check runs it anyway; normal runs pass."""
 from __future__ import annotations
 
 import re
@@ -12,9 +12,9 @@ import time
 import pytest
 
 from cli_helpers import ENV, REPO
-from train.run import memory_check, plan
-from train.recipe.args import parse_args
 from train.errors import UserError
+from train.recipe.args import parse_args
+from train.run import memory_check, plan
 from train.run.qlora import preflight
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,5 +1,5 @@
-"""train.evaluation.metrics.perplexity_by_position: the per-position-bucket NLL equals a direct computation from the logits,
-its overall figure is perplexity()'s, and python -m train.eval writes the breakdown."""
+"""train.evaluation.metrics.perplexity_by_position: the per-position-bucket NLL equals a direct computation from the
+logits, its overall figure is perplexity()'s, and python -m train.eval writes the breakdown."""
 import json
 import math
 

@@ -1,5 +1,5 @@
-"""train.evaluation.plots: the loss curve and the accuracy heatmaps are written as valid PNGs (read back, no pixel checks);
-without matplotlib one note line and no files."""
+"""train.evaluation.plots: the loss curve and the accuracy heatmaps are written as valid PNGs (read back, no pixel
+checks); without matplotlib one note line and no files."""
 import json
 import sys
 

@@ -114,8 +114,8 @@ def test_qlora_help_shows_each_default_once_the_block_sizes_and_the_default_run(
 
 
 def test_eval_help_explains_every_flag():
-    from train.recipe.args import build_parser
     from train.evaluation.eval import EvalArgs
+    from train.recipe.args import build_parser
 
     helps = _helps(build_parser((EvalArgs,), prog="python -m train.eval", default_run=None, config_flag=False))
     assert {"--batch_size", "--text_field", "--max_docs", "--output_json"} <= helps.keys()

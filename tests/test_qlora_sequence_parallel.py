@@ -84,9 +84,9 @@ def test_a_layout_that_cannot_split_is_refused_before_loading(tiny, tmp_path, ca
 
 
 def test_evaluation_split_over_two_processes_matches_one_process(tiny, tmp_path):
-    """--eval_passkey on two processes, as SP 2 (every prompt decoded split over the group, train.evaluation.split_eval) and as
-    DP 2 (the prompts shared out over the two data-parallel groups): the results those of one process. The shipped
-    tiny model retrieves keys at these lengths, so the answers count."""
+    """--eval_passkey on two processes, as SP 2 (every prompt decoded split over the group, train.evaluation.split_eval)
+    and as DP 2 (the prompts shared out over the two data-parallel groups): the results those of one process. The
+    shipped tiny model retrieves keys at these lengths, so the answers count."""
     from train.recipe.args import TINY_LLAMA_DIR
 
     evaluation = ("--model_name_or_path", TINY_LLAMA_DIR, "--eval_passkey", "--eval_lengths", 128, 256,

@@ -92,8 +92,8 @@ def test_two_processes_split_phi3_fused_layers_and_match_one_process(tiny, tmp_p
     """Phi-3's fused qkv_proj / gate_up_proj (LoRA on them), each rank keeping its slice of every part."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    from train.recipe.model import load_trained
     from train.pretrain_tiny import build_tokenizer
+    from train.recipe.model import load_trained
 
     tokenizer = build_tokenizer()
     config = Phi3Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,

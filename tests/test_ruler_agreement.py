@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from train.pretrain_tiny import build_tokenizer
 from train.evaluation.tasks import TASKS, build_case
+from train.pretrain_tiny import build_tokenizer
 
 ruler = pytest.importorskip("lm_eval.tasks.ruler.common_utils")
 

@@ -1,6 +1,6 @@
-"""train.evaluation.split_eval on 2 real gloo processes vs one process: the split loss equals the whole sequence's loss, and
-split greedy decoding (no KV cache) produces the tokens of `model.generate` with its cache, ring and Ulysses, with and
-without the patch's eval logits."""
+"""train.evaluation.split_eval on 2 real gloo processes vs one process: the split loss equals the whole sequence's loss,
+and split greedy decoding (no KV cache) produces the tokens of `model.generate` with its cache, ring and Ulysses, with
+and without the patch's eval logits."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
-"""train.evaluation.tasks: RULER-style prompts (exact length, needle at the requested depth), RULER's string_match_all scoring on
-hand-made predictions, and generation end to end (an oracle that reads the prompt, a random tiny llama)."""
+"""train.evaluation.tasks: RULER-style prompts (exact length, needle at the requested depth), RULER's string_match_all
+scoring on hand-made predictions, and generation end to end (an oracle that reads the prompt, a random tiny llama)."""
 import random
 import re
 

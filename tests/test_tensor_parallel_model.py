@@ -1,8 +1,8 @@
 """patches.tensor_parallel on a tiny GQA llama (4 query / 2 KV heads) split over 2 real gloo processes vs one process:
 loss, every LoRA gradient (gathered to full shape), the clipped norm, the gathered adapter and greedy decoding (KV
 cache), at 16 and 4 bits (the
-4-bit base loaded by transformers with double quantisation, as train.recipe.model loads it), with and without the blockwise
-patch. Plus the refusals, which need no processes."""
+4-bit base loaded by transformers with double quantisation, as train.recipe.model loads it), with and without the
+blockwise patch. Plus the refusals, which need no processes."""
 from __future__ import annotations
 
 import functools

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
+from train.errors import UserError
 from train.recipe import checkpoint
 from train.recipe.args import parse_args
-from train.errors import UserError
 from train.run.loop import epoch_order, step_groups, total_steps
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.recipe import run_dir
 from train.errors import UserError
+from train.recipe import run_dir
 
 
 def rope_text(params: dict | None) -> str:

@@ -45,8 +45,9 @@ def _sequence_split(split):
 
 def _greedy(model, batch: torch.Tensor, max_new_tokens: int, pad_token_id, split=None) -> torch.Tensor:
     """Greedy continuation of equal-length prompts [B, L] -> new tokens [B, max_new_tokens]; with a `split`
-    (train.evaluation.split_eval.SplitEval) that has a sequence-parallel group, every rank of it decodes together, each holding a
-    shard. Weights sharded over every rank (split.lockstep): generate's synced_gpus keeps the ranks' forwards in step."""
+    (train.evaluation.split_eval.SplitEval) that has a sequence-parallel group, every rank of it decodes together, each
+    holding a shard. Weights sharded over every rank (split.lockstep): generate's synced_gpus keeps the ranks' forwards
+    in step."""
     if _sequence_split(split) is not None:
         from train.evaluation.split_eval import split_greedy
 
@@ -70,8 +71,8 @@ def decode_batches(model, tokenizer, batches: list[list[dict]], *, prompt, new_t
                    progress=None) -> None:
     """Greedy-decode every batch (new_tokens(batch) tokens after each case's prompt(case)) and set each case's
     "correct" to score(case, generated text). With `split` the batches are shared out over its data-parallel groups
-    (train.evaluation.split_eval.spread): the same batches, so the same answers, as one process. `progress` (a tqdm bar): its
-    total set to the prompts this process decodes, advanced after each of its batches."""
+    (train.evaluation.split_eval.spread): the same batches, so the same answers, as one process. `progress` (a tqdm
+    bar): its total set to the prompts this process decodes, advanced after each of its batches."""
     from train.evaluation.split_eval import spread
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -121,8 +122,8 @@ def passkey_accuracy(model, tokenizer, *, lengths, depths, trials: int = 5, seed
 
     Returns {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc}, "accuracy": acc}.
     Prompts of equal token length are batched (no padding needed); batch_size bounds memory. `split`: decode over a
-    sequence-parallel group and share the batches over the data-parallel groups (train.evaluation.split_eval), every rank calling
-    with the same arguments. `progress`: a tqdm bar counting the prompts decoded (decode_batches).
+    sequence-parallel group and share the batches over the data-parallel groups (train.evaluation.split_eval), every
+    rank calling with the same arguments. `progress`: a tqdm bar counting the prompts decoded (decode_batches).
     """
     check_passkey_lengths(tokenizer, lengths, key_digits)
     cases = _passkey_cases(tokenizer, lengths, depths, trials, seed, key_digits)
@@ -243,8 +244,8 @@ def format_perplexity(result: dict, max_seq_len: int) -> str:
 
 
 def format_table(result: dict, task: str = "passkey", total: bool = True) -> str:
-    """A length x depth table of a task's accuracy (passkey_accuracy's / train.evaluation.tasks.task_accuracy's result), closed
-    by a "<task> accuracy: X" line when `total`."""
+    """A length x depth table of a task's accuracy (passkey_accuracy's / train.evaluation.tasks.task_accuracy's result),
+    closed by a "<task> accuracy: X" line when `total`."""
     depths = list(next(iter(result["by_length_depth"].values())))
     names = [f"d={d:g}".rjust(4) for d in depths]
     header = "length | " + " | ".join(names) + " |  all"

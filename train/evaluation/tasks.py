@@ -281,8 +281,8 @@ def task_accuracy(model, tokenizer, task: str, *, lengths, depths, trials: int =
 
     Returns passkey_accuracy's shape: {"by_length_depth": {length: {depth: acc}}, "by_length": {length: acc},
     "accuracy": acc}, acc the mean score (partial credit for multi-value answers). `split`: decode over a
-    sequence-parallel group and share the batches over the data-parallel groups (train.evaluation.split_eval), every rank
-    calling with the same arguments. `progress`: a tqdm bar counting the prompts decoded."""
+    sequence-parallel group and share the batches over the data-parallel groups (train.evaluation.split_eval), every
+    rank calling with the same arguments. `progress`: a tqdm bar counting the prompts decoded."""
     from train.evaluation.metrics import _summarise, batched, decode_batches
 
     if task == "passkey":  # train.evaluation.metrics' own (its checks and messages)

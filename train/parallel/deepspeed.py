@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO-3 for the QLoRA run: `accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml`.
 
-As with FSDP2 (train.parallel.fsdp) the engine is ours, not accelerate's: a DeepSpeed launch is read from the environment
-`accelerate launch` sets (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_*), accelerate is then asked for a plain
-multi-process state (gloo on CPU, NCCL on GPUs), and `initialize` hands the peft model and our torch AdamW to
+As with FSDP2 (train.parallel.fsdp) the engine is ours, not accelerate's: a DeepSpeed launch is read from the
+environment `accelerate launch` sets (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_*), accelerate is then asked for a
+plain multi-process state (gloo on CPU, NCCL on GPUs), and `initialize` hands the peft model and our torch AdamW to
 `deepspeed.initialize` with a config built from our flags. So the loop keeps its own gradient accumulation (the
 engine is told where each step's boundary is), its loss scaling (gradients are averaged over all processes, as DDP's
 are) and its learning-rate schedule; DeepSpeed clips at --max_grad_norm (its own default, when the key is absent,

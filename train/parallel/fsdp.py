@@ -6,7 +6,8 @@ all, so only our own call shards the same way on gloo (tests) as on NCCL (users)
 config turns `--fsdp` on, and accelerate is then asked for a plain multi-process state (`use_launcher_fsdp`).
 
 What sharding asks of the rest of the run:
-- 4-bit data must live in a float dtype (`bnb_4bit_quant_storage`, train.recipe.model.quantization_config): FSDP flattens
+- 4-bit data must live in a float dtype (`bnb_4bit_quant_storage`, train.recipe.model.quantization_config): FSDP
+flattens
   every parameter of a unit into float buffers; with the default uint8 storage training silently runs at loss 0
   with NaN gradients, so `shard_model` refuses it.
 - Trainable parameters are kept in fp32 (FSDP wants one dtype per unit). The model is put in train mode before
@@ -20,8 +21,8 @@ What sharding asks of the rest of the run:
   sequence-parallel group inside it).
 - With tensor parallelism (`--tensor_parallel N --fsdp`) each rank's modules are its slices
   (patches.tensor_parallel), sharded over the ranks holding the same slices only (its FSDP group: world / N
-  processes), whose gradient average train.run.loop turns into a sum; the whole LoRA factors' shards are then summed over
-  the tensor-parallel group, as without FSDP.
+  processes), whose gradient average train.run.loop turns into a sum; the whole LoRA factors' shards are then summed
+  over the tensor-parallel group, as without FSDP.
 """
 from __future__ import annotations
 

@@ -176,9 +176,9 @@ class EvalArguments:
     eval_passkey: bool = flag(False, "Evaluate before and after training (eval.json): the --eval_tasks (passkey "
                               "retrieval accuracy unless given).")
     eval_tasks: list[str] | None = flag(
-        None, "Tasks of the evaluation before and after training (train.evaluation.tasks: passkey, niah_single, niah_multikey, "
-        "niah_multivalue, niah_multiquery, variable_tracking, ...); giving them turns the evaluation on. Default: "
-        "passkey.")
+        None, "Tasks of the evaluation before and after training (train.evaluation.tasks: passkey, niah_single, "
+        "niah_multikey, niah_multivalue, niah_multiquery, variable_tracking, ...); giving them turns the evaluation "
+        "on. Default: passkey.")
     eval_lengths: list[int] | None = flag(None, "Context lengths of the passkey evaluation; default: max_seq_len.")
     eval_depths: list[float] = flag([0.1, 0.5, 0.9], "Relative depths of the passkey in the context.")
     eval_trials: int = flag(4, "Passkey trials per (length, depth).")

@@ -15,9 +15,9 @@ import time
 
 import torch
 
+from train.parallel.layout import launched_world_size
 from train.recipe import checkpoint
 from train.recipe.args import Args
-from train.parallel.layout import launched_world_size
 
 # ---------------------------------------------------------------- SIGINT / SIGTERM
 

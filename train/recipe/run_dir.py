@@ -18,8 +18,8 @@ import os
 import shutil
 import tempfile
 
-from train.recipe import checkpoint
 from train.errors import UserError, one_line
+from train.recipe import checkpoint
 
 METRICS_FILE = "metrics.jsonl"
 RUN_INFO_FILE = "run_info.json"

@@ -17,14 +17,14 @@ import warnings
 
 import torch
 
-from train.recipe import checkpoint
 from train.parallel import deepspeed
-from train.recipe.args import Args
 from train.parallel.fsdp import full_norm
-from train.recipe.lifecycle import SIGNALS, Interrupted
-from train.run.peers import peer_lost, roster
 from train.parallel.layout import Layout
+from train.recipe import checkpoint
+from train.recipe.args import Args
+from train.recipe.lifecycle import SIGNALS, Interrupted
 from train.recipe.run_dir import METRICS_FILE
+from train.run.peers import peer_lost, roster
 
 
 class TrainingDiverged(RuntimeError):

@@ -9,8 +9,8 @@ GPU of the card's compute capability (its attention kernels and bf16 autocast):
 - the training step: the step --plan simulates (the model, LoRA, the patch, checkpointing, the batch, a rank's share
   of the tokens) and the plan's analytic extras (optimizer state, gradients kept over accumulation);
 - the evaluation (--eval_passkey): one batch's prefill at the longest evaluation length, no gradients, with the KV
-  cache generate keeps (none under --sequence_parallel: train.evaluation.split_eval decodes without one), plus the optimizer
-  state that is still alive after training; in host memory the task's prompts (PROMPT_BYTES per token);
+  cache generate keeps (none under --sequence_parallel: train.evaluation.split_eval decodes without one), plus the
+  optimizer state that is still alive after training; in host memory the task's prompts (PROMPT_BYTES per token);
 - the data: --dataset passkey rows (PASSKEY_BUILD_BYTES per token while they are built, PASSKEY_HELD_BYTES after).
   File and hub datasets are not counted: their rows are the dataset's tokens, whatever --max_seq_len.
 On a CPU all of it is host memory; on CUDA the step and evaluation are the device's, the data and prompts the host's,
@@ -42,9 +42,9 @@ from train.errors import UserError, one_line
 # per-token averages (host memory also moves under other processes), and a refusal must mean "cannot fit", not
 # "might not". A run between 1x and MARGIN x may fail later; the longest --max_seq_len given fits at 1x.
 MARGIN = 1.25
-# --dataset passkey rows, bytes per token (train.recipe.passkey.passkey_dataset: three Python lists of ints per row, then an
-# in-memory Arrow table), measured with the bundled tokenizer, 30 rows of 200,000 tokens: peak RSS +164 B per token
-# while built, +56 B held after.
+# --dataset passkey rows, bytes per token (train.recipe.passkey.passkey_dataset: three Python lists of ints per row,
+# then an in-memory Arrow table), measured with the bundled tokenizer, 30 rows of 200,000 tokens: peak RSS +164 B per
+# token while built, +56 B held after.
 PASSKEY_BUILD_BYTES = 170
 PASSKEY_HELD_BYTES = 56
 PROMPT_BYTES = 8  # an evaluation prompt: a list of pointers to the tokenizer's cached ints (measured 5-8 B per token)
@@ -224,8 +224,8 @@ def estimate(args, *, cuda: bool, zero3=None) -> Estimate:
     """The parts of this run and when they are alive together (see the module's docstring)."""
     from bpt.config import BPTConfig
 
-    from train.run import plan
     from train.recipe.args import BPT_SIZES
+    from train.run import plan
 
     parts: dict[str, Part] = {}
     if args.dataset == "passkey":  # every process builds the whole data set

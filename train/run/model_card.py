@@ -28,8 +28,8 @@ def _evaluation(evals: dict | None) -> list[str]:
     if not after:
         return []
     before = ((evals or {}).get("before") or {}).get("tasks") or {}
-    lines = ["## Evaluation", "", "Greedy decoding of synthetic prompts exactly as long as each length (train.evaluation.tasks); "
-             "accuracy by length x depth of the needle after training:", ""]
+    lines = ["## Evaluation", "", "Greedy decoding of synthetic prompts exactly as long as each length "
+             "(train.evaluation.tasks); accuracy by length x depth of the needle after training:", ""]
     for name, result in after.items():
         was = f"{before[name]['accuracy']:.3f} before training, " if name in before else ""
         lines += [f"{name}: {was}{result['accuracy']:.3f} after", "", "```", format_table(result, name), "```", ""]
@@ -38,8 +38,9 @@ def _evaluation(evals: dict | None) -> list[str]:
 
 def model_card(args, *, steps: int, rope_parameters: dict | None, positions: int | None, evals: dict | None,
                final_loss: float | None) -> str:
-    """The card's Markdown. `args`: the run's train.recipe.args.Args; `rope_parameters`: the config's when the run scaled
-    RoPE (else None); `positions`: the config's max_position_embeddings, as scaled; `evals`: eval.json's content."""
+    """The card's Markdown. `args`: the run's train.recipe.args.Args; `rope_parameters`: the config's when the run
+    scaled RoPE (else None); `positions`: the config's max_position_embeddings, as scaled; `evals`: eval.json's
+    content."""
     out = args.output_dir
     targets = ", ".join(args.lora_target_modules)
     extra = "; the input embeddings and norms trained too" if args.train_embeddings_and_norms else ""

@@ -89,7 +89,8 @@ def model_config(name: str, trust_remote_code: bool):
 
 
 def scaled(config, args, seq_len: int, notes: list | None = None):
-    """A copy of `config` with the RoPE scaling train.recipe.rope gives a run of `seq_len` tokens (its warnings in notes)."""
+    """A copy of `config` with the RoPE scaling train.recipe.rope gives a run of `seq_len` tokens (its warnings in
+    notes)."""
     from train.recipe.rope import apply_rope_scaling
 
     config = copy.deepcopy(config)
@@ -257,8 +258,8 @@ def check_plannable(args, config) -> None:
     """UserError for what the run itself would refuse, and for what the simulation does not model."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from train.recipe.model import check_bpt_support, check_packing
     from train.parallel.layout import check_layout
+    from train.recipe.model import check_bpt_support, check_packing
 
     if args.bits == 8:
         raise UserError("--plan simulates --bits 4 (NF4, as bitsandbytes stores it) and 16; 8-bit bases are not "

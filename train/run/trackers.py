@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from train.recipe.args import Args
 from train.errors import UserError
+from train.recipe.args import Args
 
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
 TRACKER_PROJECT = "train.qlora"  # tensorboard: the subdirectory of output_dir; wandb: the project (or WANDB_PROJECT)
