@@ -49,32 +49,39 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _nodes(path: Path):
+    """(node, the outermost function it is in or None) of every node of a module."""
+    found = []
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = function
+            if function is None and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                inner = child.name
+            found.append((child, function))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), None)
+    return found
+
+
 def _imports(modules: dict[str, Path]) -> dict[str, set[tuple[str, str | None]]]:
     """module -> {(imported module of the three packages, the outermost function the import is in or None)}."""
     graph = {}
     for name, path in modules.items():
-        tree = ast.parse(path.read_text())
         edges = set()
-
-        def visit(node, function):
-            for child in ast.iter_child_nodes(node):
-                inner = function
-                if function is None and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    inner = child.name
-                targets = []
-                if isinstance(child, ast.Import):
-                    targets = [alias.name for alias in child.names]
-                elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                    targets = [f"{child.module}.{alias.name}" if f"{child.module}.{alias.name}" in modules
-                               else child.module for alias in child.names]
-                for target in targets:
-                    while target not in modules and "." in target:
-                        target = target.rsplit(".", 1)[0]
-                    if target in modules and target != name:
-                        edges.add((target, function))
-                visit(child, inner)
-
-        visit(tree, None)
+        for node, function in _nodes(path):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules
+                           else node.module for alias in node.names]
+            for target in targets:
+                while target not in modules and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target in modules and target != name:
+                    edges.add((target, function))
         graph[name] = edges
     return graph
 
@@ -90,22 +97,9 @@ def _room(module: str) -> str:
 
 def _calls(path: Path):
     """(called name, the outermost function the call is in or None) of every call in a module."""
-    found = set()
-
-    def visit(node, function):
-        for child in ast.iter_child_nodes(node):
-            inner = function
-            if function is None and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                inner = child.name
-            if isinstance(child, ast.Call):
-                called = child.func.attr if isinstance(child.func, ast.Attribute) else \
-                    child.func.id if isinstance(child.func, ast.Name) else None
-                if called is not None:
-                    found.add((called, function))
-            visit(child, inner)
-
-    visit(ast.parse(path.read_text()), None)
-    return found
+    return {(node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id, function)
+            for node, function in _nodes(path)
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))}
 
 
 def test_the_engine_imports_neither_patches_nor_train():
