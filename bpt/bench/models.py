@@ -154,7 +154,7 @@ def build_model(spec: dict, tp_group=None):
 
         tensor_parallel(model, tp_group)
     handle = None
-    if spec["side"] != "stock":  # same order as train/recipe/model.py: LoRA first, then the patch
+    if spec["side"] != "stock":  # the recipe's order (train/parallel/placement.py): LoRA, slices, then the patch
         from patches import apply_bpt_patch
 
         handle = apply_bpt_patch(model, **{**spec["bpt"], "offload_checkpoints": spec["side"] == "patched+offload"})
