@@ -283,6 +283,12 @@ def leave(message: str, code: int, *, here: bool | None = None) -> int:
     if is_main_process() if here is None else here:
         print(message, file=sys.stderr, flush=True)
     _tell_launcher(message)
+    close_process_group()
+    return _launcher_status(code)
+
+
+def close_process_group() -> None:
+    """Destroy the process group (all of them) while the interpreter is whole: left to its exit, gloo's worker threads
+    can abort the process after a finished run (SIGABRT, "terminate called without an active exception")."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    return _launcher_status(code)

@@ -39,8 +39,8 @@ from train.evaluation.metrics import EVAL_SEED
 from train.parallel.layout import launched_world_size, make_layout
 from train.recipe import checkpoint, run_dir
 from train.recipe.args import TINY_LLAMA_DIR, Args, parse_args
-from train.recipe.lifecycle import (SIGNALS, Interrupted, interrupted_message, leave, silence_library_noise,
-                                    stopped_message)
+from train.recipe.lifecycle import (SIGNALS, Interrupted, close_process_group, interrupted_message, leave,
+                                    silence_library_noise, stopped_message)
 from train.run import loop
 from train.run.peers import PeerLost
 from train.run.plan import PlanFailed, print_plan
@@ -401,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                 print_plan(args)
                 return 0
             run(args)
+            close_process_group()
         except UserError as error:
             return leave(f"error: {error}", 2)
         except PlanFailed as error:
