@@ -29,6 +29,7 @@ from bpt.mlp import chunked_mlp
 from patches.attention import (ATTN_IMPLEMENTATION, CONFIG_ATTR, EMPTY_ROWS_ATTR, bpt_attention_forward,
                                stock_empty_rows)
 from patches.bound_attention import BINDERS
+from patches.chunk_bytes import mlp_bytes_per_token
 from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
 from patches.lm_head import causal_lm_forward
 from patches.lora_inputs import input_cast_skipping_round_trips, is_lora_layer
@@ -187,7 +188,7 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
                 handle.set(attention, "forward", BINDERS[family.bound_attention](attention))
             patched_attention += 1
         mlp = getattr(layer, family.mlp)
-        handle.set(mlp, "forward", _chunked_mlp_forward(mlp, mlp.forward, config.mlp_chunk))
+        handle.set(mlp, "forward", _chunked_mlp_forward(mlp, mlp.forward, config))
     if patched_attention == 0:  # a hybrid row whose attention attribute is wrong would otherwise patch nothing
         raise UnsupportedModelError(f"no decoder layer of this {hf_model.config.model_type!r} model has attention at "
                                     f"layer.{family.attention}: nothing to patch (is its row in FAMILIES right?)")
@@ -209,10 +210,13 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     handle.set(hf_model, _HANDLE_ATTR, handle)  # last: is_patched is True only for a complete patch
 
 
-def _chunked_mlp_forward(module, original, chunk: int):
+def _chunked_mlp_forward(module, original, config: BPTConfig):
     def forward(*inputs):
         hidden = inputs[0]  # [B, N, H]
-        if hidden.dim() < 3 or hidden.shape[1] <= chunk:
+        if hidden.dim() < 3:
+            return original(*inputs)
+        chunk = config.chunk_tokens("mlp_chunk", hidden.shape[1], mlp_bytes_per_token(module, hidden), hidden.device)
+        if hidden.shape[1] <= chunk:
             return original(*inputs)
         # An MLP that returns a tuple (gpt-oss: (hidden, router_scores)) is chunked on its first output. The
         # rest are per-chunk routing details the decoder layer discards; they come back as None, so a caller
@@ -245,7 +249,7 @@ def _patch_norms(hf_model, config: BPTConfig, handle: BPTPatchHandle):
     for module in hf_model.modules():
         norm_dims = per_token_norm_dims(module)
         if norm_dims is not None:
-            handle.set(module, "forward", lean_norm_forward(module, module.forward, norm_dims, config.norm_chunk,
+            handle.set(module, "forward", lean_norm_forward(module, module.forward, norm_dims, config,
                                                             hidden if isinstance(hidden, int) else None))
 
 

@@ -8,6 +8,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bpt.config import BPTConfig
 from bpt.loss import chunked_lm_loss
+from patches.chunk_bytes import loss_bytes_per_token
 from patches.families import Family
 
 # The KV cache's field in model outputs: `cache` since transformers renamed it (reading or passing the old
@@ -46,9 +47,12 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
         outputs = getattr(model, family.base)(**arguments, **extra, return_dict=True)
+        hidden = outputs.last_hidden_state  # [B, N, H]
+        vocab = getattr(getattr(model, family.head), "out_features", None)
         loss = chunked_lm_loss(
-            outputs.last_hidden_state, getattr(model, family.head), labels,
-            chunk=options.loss_chunk,
+            hidden, getattr(model, family.head), labels,
+            chunk=options.chunk_tokens("loss_chunk", hidden.shape[0] * hidden.shape[1],
+                                       loss_bytes_per_token(vocab, hidden), hidden.device),
             num_items_in_batch=extra.get("num_items_in_batch"),
             shift_labels=extra.get("shift_labels"),
             logit_scale=logit_factor(model.config, family),

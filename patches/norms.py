@@ -13,7 +13,9 @@ import math
 
 import torch
 
+from bpt.config import BPTConfig
 from bpt.norm import lean_norm
+from patches.chunk_bytes import norm_bytes_per_token
 
 LEAN_NORM_ATTR = "__bpt_lean_norm__"  # set on the bound forward: tests and tools recognise a wrapped norm by it
 _ROW_MIXING = ("Group", "Batch", "Instance")
@@ -38,9 +40,9 @@ def per_token_norm_dims(module: torch.nn.Module) -> int | None:
     return 1
 
 
-def lean_norm_forward(module: torch.nn.Module, original, norm_dims: int, chunk: int, hidden: int | None):
-    """A forward for `module` that saves only its input; `chunk` tokens of `hidden` elements per backward step
-    (a norm over smaller rows, e.g. a per-head q-k norm, takes proportionally more rows per step)."""
+def lean_norm_forward(module: torch.nn.Module, original, norm_dims: int, config: BPTConfig, hidden: int | None):
+    """A forward for `module` that saves only its input; per backward step, the chunk of tokens of `hidden` elements
+    the config gives (a norm over smaller rows, e.g. a per-head q-k norm, takes proportionally more rows per step)."""
     weight = getattr(module, "weight", None)
     weight_shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
 
@@ -50,7 +52,9 @@ def lean_norm_forward(module: torch.nn.Module, original, norm_dims: int, chunk: 
                 or (weight_shape is not None and tuple(x.shape[x.dim() - norm_dims:]) != weight_shape)):
             return original(*args, **kwargs)
         row = math.prod(x.shape[x.dim() - norm_dims:])
-        rows = max(1, chunk * (hidden or row) // max(row, 1))
+        token = hidden or row
+        chunk = config.chunk_tokens("norm_chunk", x.numel() // max(token, 1), norm_bytes_per_token(token), x.device)
+        rows = max(1, chunk * token // max(row, 1))
         return lean_norm(original, list(module.parameters()), x, rows=rows, norm_dims=norm_dims)
 
     setattr(forward, LEAN_NORM_ATTR, True)

@@ -40,7 +40,9 @@ from bpt.bench.simulate import transformers_sees_real_tensors
 
 N = 4096  # tokens: above every block / chunk size below
 Q_BLOCK, KV_BLOCK, CHUNK = 512, 1024, 1024  # kernels: query and key blocks of different sizes
-MODEL_BLOCKS = dict(q_block=1024, kv_block=1024, mlp_chunk=CHUNK, loss_chunk=CHUNK)  # models: half the block steps
+# models: half the block steps; chunk_budget 0: the sizes as set (the automatic budget of a simulated 80 GB card would
+# run these short sequences in whole-sequence chunks, the N x I / N x V tensors the probes look for)
+MODEL_BLOCKS = dict(q_block=1024, kv_block=1024, mlp_chunk=CHUNK, loss_chunk=CHUNK, chunk_budget=0)
 
 # mode -> (dtype of weights / leaf inputs, autocast dtype or None)
 MODES = {

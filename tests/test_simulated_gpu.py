@@ -20,7 +20,7 @@ from bpt.gpusim.device import SimulationError, simulate
 from bpt.gpusim.gpus import device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-BLOCKS = asdict(BPTConfig(q_block=64, kv_block=64, mlp_chunk=64, loss_chunk=64))
+BLOCKS = asdict(BPTConfig(q_block=64, kv_block=64, mlp_chunk=64, loss_chunk=64, chunk_budget=0))
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_bench_simulate_rows_on_a_simulated_h100(tmp_path, capsys, shim_library)
     tokens holds no N x V logits, plain causal attention takes the flash kernel on both sides."""
     output = tmp_path / "sim.json"
     report = main(["--simulate", "h100-80gb", "--model", "tiny", "--seq_lens", "8192", "--bits", "4", "--lora",
-                   "--lora_r", "4", "--lora_targets", "q_proj,v_proj", "--output", str(output)])
+                   "--lora_r", "4", "--lora_targets", "q_proj,v_proj", "--chunk_budget", "0", "--output", str(output)])
     runs = {r["side"]: r for r in report["runs"]}
     assert all(r["ok"] for r in runs.values()), runs
     for side, run in runs.items():

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(defaults, name)
         p.add_argument(f"--{name}", type=int, default=default, help=f"{what} (default: {default}, "
                        "bpt.config.BPTConfig's)")
+    p.add_argument("--chunk_budget", type=int, default=None,
+                   help="bytes a chunk (MLP, norm, loss) may hold, taking more tokens than the sizes above where it "
+                   "can (default: 1/16 of a CUDA device's memory, 0 on CPU; 0: the sizes exactly)")
     p.add_argument("--bpt_compile", dest="bpt_compile", action="store_true", default=None,
                    help="torch.compile the per-block functions of the patch (default: only on CUDA)")
     p.add_argument("--no_bpt_compile", dest="bpt_compile", action="store_false",
@@ -225,7 +228,8 @@ def patch_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> BPTCon
     """The patch's settings from the block-size and compile flags (an impossible value exits with status 2)."""
     try:
         return BPTConfig(q_block=args.q_block, kv_block=args.kv_block, mlp_chunk=args.mlp_chunk,
-                         loss_chunk=args.loss_chunk, norm_chunk=args.norm_chunk, compile=args.bpt_compile)
+                         loss_chunk=args.loss_chunk, norm_chunk=args.norm_chunk, chunk_budget=args.chunk_budget,
+                         compile=args.bpt_compile)
     except ValueError as error:
         p.error(str(error))
 

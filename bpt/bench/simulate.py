@@ -165,9 +165,13 @@ def training_step(model, inputs: dict, autocast: bool) -> torch.Tensor:
     return loss.detach()
 
 
-def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: bool = True) -> dict:
+def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: bool = True, unseen_bytes: int = 0
+                 ) -> dict:
     """One training step under the AllocationTracker (the simulation's figures; on real tensors too), with
-    torch.cuda's own peak beside them on a real GPU, inside `sim`'s device rules (entered by the caller)."""
+    torch.cuda's own peak beside them on a real GPU, inside `sim`'s device rules (entered by the caller).
+    unseen_bytes: what the model's layers that are not simulated would hold, and what the run keeps beside the step
+    (spec["resident_bytes"]: optimizer state, kept gradients); the simulated device's free memory (which sizes the
+    patch's chunks) is what the whole run's step would leave."""
     from bpt.gpusim.tracker import AllocationTracker, flash_backward_workspace
 
     from bpt.gpusim.clock import StepClock, rates_for
@@ -180,6 +184,8 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: boo
         stack.enter_context(tracker)
         tracker.track(*model.parameters(), *model.buffers(), *inputs.values())
         before = tracker.live
+        if gpu.usable_bytes is not None:
+            sim.free_bytes = lambda: max(0, gpu.usable_bytes - tracker.live - unseen_bytes)
         allocator = stack.enter_context(_real_cuda_peak(sim.torch_device) if real else contextlib.nullcontext({}))
         tracker.phase = "forward"
         # bf16 autocast on the GPU, as the recipe trains (made inside `simulate`: torch refuses it outside)
@@ -213,14 +219,29 @@ def simulate_step(spec: dict, layers: int, real: bool = False) -> dict:
             model, handle = build_simulated_model(spec, layers)
             sim = stack.enter_context(simulate(gpu))
             materialize_fake(model, sim.fake_mode, sim.torch_device)
+        unseen = unseen_layers_bytes(spec, model, layers) + spec.get("resident_bytes", 0)
         step = tracked_step(model, step_inputs(spec, sim.torch_device, real), sim, real, spec.get("top", 10),
-                            spec.get("clock", True))
+                            spec.get("clock", True), unseen)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if handle is not None:
         handle.remove()
     return {**step, "trainable_params": sum(p.numel() for p in trainable),
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "seconds": time.perf_counter() - start}
+
+
+def unseen_layers_bytes(spec: dict, model, layers: int) -> int:
+    """What the decoder layers a step of `layers` does not simulate would hold on the device: each its weights and,
+    unless offloaded, its checkpointed input (batch x tokens x hidden in the embeddings' dtype)."""
+    unseen = spec["model_config"]["num_hidden_layers"] - layers
+    if unseen <= 0 or layers <= 0:
+        return 0
+    stack = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers)
+    per_layer = sum(p.numel() * p.element_size() for p in stack[0].parameters())
+    if spec.get("gradient_checkpointing", True) and spec["side"] != "patched+offload":
+        embeddings = model.get_input_embeddings().weight
+        per_layer += spec.get("batch_size", 1) * spec["seq_len"] * embeddings.shape[1] * embeddings.element_size()
+    return unseen * per_layer
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,9 @@ class Simulation:
     fake_mode: FakeTensorMode
     oracle: DataOracle
     attention_paths: Counter = field(default_factory=Counter)  # "sdpa-flash" / "sdpa-efficient" / "sdpa-math" -> calls
+    # What the device has free now (torch.cuda.mem_get_info's first answer): the step's tracker sets it from the bytes
+    # it counts; None: all the usable memory.
+    free_bytes: Callable[[], int] | None = None
 
     @property
     def torch_device(self) -> torch.device:
@@ -48,9 +52,11 @@ def _rng_state(device="cuda"):
     return torch.zeros(16, dtype=torch.uint8)
 
 
-def _cuda_answers(device: Device) -> dict:
+def _cuda_answers(sim: Simulation) -> dict:
     """(object, attribute) -> what the simulated GPU answers."""
     import torch.cuda.amp.common as amp_common
+
+    device = sim.device
 
     def can_use(kernel):
         def predicate(params, debug=False):
@@ -72,6 +78,11 @@ def _cuda_answers(device: Device) -> dict:
         (torch.cuda, "current_device"): lambda: 0,
         (torch.cuda, "device_count"): lambda: 1,
         (torch.cuda, "get_device_capability"): lambda device_=None: device.capability,
+        # (free, total); the allocator's cache is empty: what is not allocated is free
+        (torch.cuda, "mem_get_info"): lambda device_=None: (sim.free_bytes() if sim.free_bytes else device.usable_bytes,
+                                                            device.memory_bytes),
+        (torch.cuda, "memory_reserved"): lambda device_=None: 0,
+        (torch.cuda, "memory_allocated"): lambda device_=None: 0,
         (torch.backends.cuda, "can_use_flash_attention"): can_use("flash"),
         (torch.backends.cuda, "can_use_efficient_attention"): can_use("efficient"),
         (torch.backends.cuda, "can_use_cudnn_attention"): lambda params, debug=False: False,
@@ -138,7 +149,7 @@ def simulate(device: Device, fake_mode: FakeTensorMode | None = None):
     with contextlib.ExitStack() as stack:
         if device.is_cuda:
             stack.enter_context(_set_attributes({
-                **_cuda_answers(device),
+                **_cuda_answers(sim),
                 (F, "scaled_dot_product_attention"): _routed_sdpa(sim, F.scaled_dot_product_attention)}))
         stack.enter_context(sim.fake_mode)
         stack.enter_context(sim.oracle)

@@ -91,7 +91,8 @@ class LoraArguments:
         False, "LongLoRA style: also train the input embeddings and all norm layers (saved with the adapter).")
 
 
-BPT_SIZES = ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "norm_chunk")  # flags passed to apply_bpt_patch
+BPT_SIZES = ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "norm_chunk")  # tokens
+BPT_OPTIONS = (*BPT_SIZES, "chunk_budget")  # flags passed to apply_bpt_patch
 
 
 @dataclass
@@ -105,6 +106,9 @@ class BPTArguments:
     loss_chunk: int | None = flag(None, "Tokens per chunk of the chunked LM head + loss.", bpt_default=True)
     norm_chunk: int | None = flag(None, "Tokens per chunk of a norm's backward (its fp32 temporaries).",
                                   bpt_default=True)
+    chunk_budget: int | None = flag(
+        None, "Bytes a chunk (MLP, norm, loss) may hold: where the token sizes above hold less, chunks take more "
+        "tokens (fewer kernel launches); default: 1/16 of a CUDA device's memory, 0 on CPU; 0: the sizes exactly.")
     bpt_compile: bool | None = flag(None, "torch.compile the per-block functions; default: only on CUDA.")
     offload_checkpoints: bool = flag(False, "Keep the layer checkpoints in host memory (pinned, copied on a side "
                                      "stream, prefetched one layer ahead): device memory then no longer grows with "
@@ -397,6 +401,8 @@ def validate(args: Args) -> None:
     for name in (*BPT_SIZES, "num_proc", "torch_threads"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise UserError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if args.chunk_budget is not None and args.chunk_budget < 0:
+        raise UserError(f"--chunk_budget must be a number of bytes >= 0, got {args.chunk_budget}")
     for name in ("save_steps", "save_minutes", "warmup_steps", "max_grad_norm", "weight_decay"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")

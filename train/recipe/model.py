@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from train.errors import UserError, one_line
-from train.recipe.args import BPT_SIZES
+from train.recipe.args import BPT_OPTIONS
 from train.recipe.run_dir import ADAPTER_CONFIG_FILE, RUN_INFO_FILE, read_adapter_dir
 
 def load_config(name_or_path: str, trust_remote_code: bool):
@@ -231,7 +231,7 @@ def patch(model, args):
         return None
     from patches import apply_bpt_patch
 
-    options = {name: getattr(args, name) for name in BPT_SIZES
+    options = {name: getattr(args, name) for name in BPT_OPTIONS
                if getattr(args, name) is not None}
     try:
         # The recipe never reads logits of a labelled batch: evaluation stays O(N) memory as training is.

@@ -149,9 +149,9 @@ def step_spec(args, config, seq_len: int, adapters: tuple, device: str | None = 
     `rope_len` tokens (default `seq_len`): an evaluation at other lengths keeps the trained run's scaling."""
     from bpt.config import BPTConfig
 
-    from train.recipe.args import BPT_SIZES
+    from train.recipe.args import BPT_OPTIONS
 
-    blocks = {name: getattr(args, name) for name in BPT_SIZES
+    blocks = {name: getattr(args, name) for name in BPT_OPTIONS
               if getattr(args, name) is not None}
     values = scaled(config, args, rope_len or seq_len).to_dict()
     values.pop("quantization_config", None)  # --bits decides the quantisation, as in the run
@@ -304,7 +304,9 @@ def print_plan(args, echo: Callable[[str], None] = print) -> Planned:
     result.cap, why = length_cap(config, args)
     peaks = {args.max_seq_len: row["peak_bytes"]}
     result.longest, result.first_over = longest_fitting_length(
-        lambda n: simulate(step_spec(args, config, n, adapters))["peak_bytes"], gpu.usable_bytes - added,
+        # the optimizer state and kept gradients are on the device beside each step: not free for its chunks
+        lambda n: simulate({**step_spec(args, config, n, adapters), "resident_bytes": added})["peak_bytes"],
+        gpu.usable_bytes - added,
         result.cap, peaks)
     for line in format_longest(args, result, why, len(peaks), time.perf_counter() - started):
         echo(line)
