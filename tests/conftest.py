@@ -63,6 +63,18 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
+def shim_library():
+    """The simulated GPU's built shim, or a skip naming why it cannot be built here (no C++ compiler: the README says
+    g++)."""
+    from bpt.gpusim import shim
+
+    try:
+        return shim.library()
+    except shim.ShimError as error:
+        pytest.skip(f"the simulated GPU cannot be set up here: {error}")
+
+
+@pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny llama with the char-level tokenizer of train.pretrain_tiny, and a jsonl of short documents."""
     from cli_helpers import save_tiny_llama

@@ -213,7 +213,9 @@ def stated_simulated() -> list[str]:
     config = bench("llama-3.1-8b-qlora-h100")["environment"]["model_config"]
     hidden, layers = config["hidden_size"], config["num_hidden_layers"]
     floor = hidden * 2 * layers / 1024  # the bf16 layer checkpoints, KiB per token
-    patched = by_side("llama-3.1-8b-qlora-h100")["patched", 65536]["bytes_per_token"] / 1024
+    qlora = bench("llama-3.1-8b-qlora-h100")
+    longest = qlora["find_max"]["patched"]["max_context_tokens"]  # at its longest: chunks at the sizes set
+    patched = by_side("llama-3.1-8b-qlora-h100")["patched", longest]["bytes_per_token"] / 1024
     bf16 = by_side("llama-3.1-8b-bf16-lora-h100")["patched", 65536]
     offload = bench("llama-3.1-8b-qlora-offload-h100")["runs"][0]
     fit, over = bench("llama-3.2-1b-qlora-offload-h100")["runs"]
@@ -349,6 +351,19 @@ def clock_block() -> str:
                   "kernels stock / patched"], rows)
 
 
+def speed_block() -> str:
+    """The clock's predicted step of Llama-3.1-8B QLoRA on h100-80gb by length and side (the README's speed table)."""
+    rows = by_side("clock-llama-3.1-8b-qlora-h100-lengths")
+
+    def cell(row: dict) -> str:
+        if not row["fits"]:
+            return f"does not fit ({gib(row['peak_bytes'], 0)} GiB)"
+        return f"{row['step_seconds']:,.1f} s, {row['tokens_per_second']:,.0f} tok/s ({gib(row['peak_bytes'], 1)} GiB)"
+    sides = ("stock", "patched", "patched+offload")
+    return table(["tokens", *sides], [[f"{n:,}", *(cell(rows[side, n]) for side in sides)]
+                                      for n in sorted({n for _, n in rows})])
+
+
 def stated_cpu() -> list[str]:
     grad = {r["grad_mib"] for r in bench("llama-ref-cpu")["runs"] if r["side"] == "patched"}
     return [f"About {grad.pop():.0f} MiB of each patched figure is the parameter gradients"]
@@ -380,7 +395,7 @@ def stated_clock() -> list[str]:
 BLOCKS = {"default-run": default_run_block, "plan": plan_block, "bench-cpu": cpu_block, "bench-qlora": qlora_block,
           "bench-gpu-memory": gpu_memory_block, "bench-gpu-speed": gpu_speed_block,
           "bench-sequence-parallel": sequence_parallel_block, "bench-sequence-parallel-tp": sequence_parallel_tp_block,
-          "bench-clock": clock_block}
+          "bench-clock": clock_block, "bench-speed": speed_block}
 
 
 def readme_block(text: str, name: str) -> str:

@@ -77,16 +77,6 @@ def test_a_budget_makes_fewer_larger_chunks_with_stock_results(checkpointing):
     assert_grads_close(stock_grads, patched_grads)
 
 
-@pytest.fixture(scope="module")
-def shim_library():
-    from bpt.gpusim import shim
-
-    try:
-        return shim.library()
-    except shim.ShimError as error:
-        pytest.skip(f"the simulated GPU cannot be set up here: {error}")
-
-
 @pytest.mark.usefixtures("one_thread", "shim_library")
 def test_auto_budget_on_a_simulated_h100_cuts_the_launches(tmp_path):
     """The same patched step on a simulated H100 with the automatic budget (up to 1/8 of 80 GB: every chunk of a

@@ -56,7 +56,9 @@ def test_dry_run_memory_rows_are_the_simulation_on_both_paths(dry_run):
     assert [r["quantiser"] for r in rows if r["bits"] == 4] == ["emulated"]  # bitsandbytes on a real GPU only
     stock, patched = ({r["seq_len"]: r["simulated_bytes"] for r in rows if r["side"] == side and r["bits"] == 16}
                       for side in ("stock", "patched"))
-    assert patched[32768] < stock[32768] / 4  # the patch's saving is in the rows, not only their presence
+    # the patch's saving is in the rows, not only their presence (a third: at 32K on an 80 GB card the chunk budget
+    # lets the MLP and loss chunks grow)
+    assert patched[32768] < stock[32768] / 3
 
 
 def test_dry_run_speed_rows_say_what_ran(dry_run):

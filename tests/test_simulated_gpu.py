@@ -23,15 +23,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCKS = asdict(BPTConfig(q_block=64, kv_block=64, mlp_chunk=64, loss_chunk=64, chunk_budget=0))
 
 
-@pytest.fixture(scope="module")
-def shim_library():
-    """The built shim, or a skip naming why it cannot be built here (no C++ compiler: the README says g++)."""
-    try:
-        return shim.library()
-    except shim.ShimError as error:
-        pytest.skip(f"the simulated GPU cannot be set up here: {error}")
-
-
 def _spec(**overrides) -> dict:
     spec = dict(simulate="cpu", side="patched", seq_len=300, model_config=resolve_model_config("tiny", 300), bits=32,
                 lora=False, lora_r=4, batch_size=2, gradient_checkpointing=True, bpt=BLOCKS)

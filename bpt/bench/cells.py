@@ -31,7 +31,7 @@ import torch
 
 from bpt.bench.report import package_version
 from bpt.bench.simulate import (build_simulated_model, extrapolated_to_depth, patch, quantiser, step_inputs,
-                                tracked_step, training_step, transformers_sees_real_tensors)
+                                tracked_step, training_step, transformers_sees_real_tensors, unseen_layers_bytes)
 from bpt.gpusim.gpus import device as simulated_device
 
 
@@ -191,7 +191,8 @@ def _cell(models: _Models, spec: dict, seq_len: int, layers: int, real: bool) ->
         model.zero_grad(set_to_none=True)
         if models.compile is not False:
             models.repatch(False)  # a timed step of the previous length left the compiled patch on
-        row.update(tracked_step(model, inputs, models.sim, real, spec.get("top", 10)))
+        unseen = unseen_layers_bytes({**spec, "seq_len": seq_len}, model, layers)
+        row.update(tracked_step(model, inputs, models.sim, real, spec.get("top", 10), unseen_bytes=unseen))
     if spec.get("timed_steps"):
         row.update(_timed(models, inputs, spec["timed_steps"], real, spec["bpt"].get("compile")))
         if seq_len in spec.get("profile_lengths", ()):

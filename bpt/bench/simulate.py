@@ -178,6 +178,10 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: boo
 
     gpu = sim.device
     clock = StepClock(rates_for(gpu.name)) if clock else None  # a CPU's rates cost ~25 s the first time
+    # On a real card the unseen layers are a ballast, so that its free memory (the chunk budget's) is the whole
+    # model's; made before the tracker counts, and left out of the allocator's figures.
+    ballast = _ballast(unseen_bytes, sim.torch_device) if real else None
+    held = 0 if ballast is None else ballast.numel()
     with contextlib.ExitStack() as stack:
         stack.enter_context(counting_blockwise_calls(sim.attention_paths))
         tracker = AllocationTracker(top=top, workspace=flash_backward_workspace, host_apart=gpu.is_cuda, clock=clock)
@@ -186,7 +190,7 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: boo
         before = tracker.live
         if gpu.usable_bytes is not None:
             sim.free_bytes = lambda: max(0, gpu.usable_bytes - tracker.live - unseen_bytes)
-        allocator = stack.enter_context(_real_cuda_peak(sim.torch_device) if real else contextlib.nullcontext({}))
+        allocator = stack.enter_context(_real_cuda_peak(sim.torch_device, held) if real else contextlib.nullcontext({}))
         tracker.phase = "forward"
         # bf16 autocast on the GPU, as the recipe trains (made inside `simulate`: torch refuses it outside)
         with torch.autocast("cuda", dtype=torch.bfloat16) if gpu.is_cuda else contextlib.nullcontext():
@@ -195,6 +199,7 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: boo
         loss.backward()
         loss_value = float(loss.detach()) if real else None
         del loss
+    del ballast
     timed = clock.summary(inputs["input_ids"].numel()) if clock else {}
     return {**tracker.summary(), **timed, "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
             "loss": loss_value, "attention_paths": dict(sim.attention_paths),
@@ -244,20 +249,31 @@ def unseen_layers_bytes(spec: dict, model, layers: int) -> int:
     return unseen * per_layer
 
 
+def _ballast(size: int, device: torch.device) -> torch.Tensor | None:
+    """`size` bytes held on a real CUDA device, or None (none asked, another device, or they do not fit)."""
+    if size <= 0 or device.type != "cuda":
+        return None
+    try:
+        return torch.empty(size, dtype=torch.uint8, device=device)
+    except torch.cuda.OutOfMemoryError:
+        return None
+
+
 @contextlib.contextmanager
-def _real_cuda_peak(device: torch.device):
-    """On a real GPU: yields a dict that gets the allocator's own figures for the block (calibration)."""
+def _real_cuda_peak(device: torch.device, held: int = 0):
+    """On a real GPU: yields a dict that gets the allocator's own figures for the block (calibration), less `held`
+    bytes the caller keeps allocated throughout."""
     figures = {}
     if device.type != "cuda":
         yield figures
         return
     torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_allocated() - held
     torch.cuda.reset_peak_memory_stats()
     yield figures
     torch.cuda.synchronize()
-    figures.update(cuda_peak_bytes=torch.cuda.max_memory_allocated(), cuda_before_bytes=before,
-                   cuda_step_bytes=torch.cuda.max_memory_allocated() - before)
+    peak = torch.cuda.max_memory_allocated() - held
+    figures.update(cuda_peak_bytes=peak, cuda_before_bytes=before, cuda_step_bytes=peak - before)
 
 
 def run_simulation(spec: dict) -> dict:
