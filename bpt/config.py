@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -70,13 +71,17 @@ class BPTConfig:
             raise TypeError(f"unknown BPT option(s) {unknown}; valid options are {names}")
         return cls(**options)
 
-    def chunk_tokens(self, size: str, tokens: int, bytes_per_token: float | None, device: torch.device) -> int:
+    def chunk_tokens(self, size: str, tokens: int, bytes_per_token: Callable[[], float | None],
+                     device: torch.device) -> int:
         """Tokens per chunk for `tokens` tokens: the option `size` (e.g. "mlp_chunk"), or more where the chunk budget
-        holds more at `bytes_per_token` (None: unknown, the option as set). Chunks are balanced: 10K tokens at a
-        budget of 6K make two chunks of 5K, not 6K + 4K."""
+        holds more at `bytes_per_token()` (asked only when there is a budget; None: unknown, the option as set).
+        Chunks are balanced: 10K tokens at a budget of 6K make two chunks of 5K, not 6K + 4K."""
         configured = getattr(self, size)
         budget = self.chunk_budget if self.chunk_budget is not None else auto_chunk_budget(device)
-        if not budget or not bytes_per_token:
+        if not budget:
+            return configured
+        bytes_per_token = bytes_per_token()
+        if not bytes_per_token:
             return configured
         largest = int(budget // bytes_per_token)
         if largest <= configured:

@@ -215,7 +215,8 @@ def _chunked_mlp_forward(module, original, config: BPTConfig):
         hidden = inputs[0]  # [B, N, H]
         if hidden.dim() < 3:
             return original(*inputs)
-        chunk = config.chunk_tokens("mlp_chunk", hidden.shape[1], mlp_bytes_per_token(module, hidden), hidden.device)
+        chunk = config.chunk_tokens("mlp_chunk", hidden.shape[1], lambda: mlp_bytes_per_token(module, hidden),
+                                    hidden.device)
         if hidden.shape[1] <= chunk:
             return original(*inputs)
         # An MLP that returns a tuple (gpt-oss: (hidden, router_scores)) is chunked on its first output. The

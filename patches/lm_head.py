@@ -48,11 +48,10 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
             return_dict = getattr(model.config, "return_dict", True)
         outputs = getattr(model, family.base)(**arguments, **extra, return_dict=True)
         hidden = outputs.last_hidden_state  # [B, N, H]
-        vocab = getattr(getattr(model, family.head), "out_features", None)
         loss = chunked_lm_loss(
             hidden, getattr(model, family.head), labels,
             chunk=options.chunk_tokens("loss_chunk", hidden.shape[0] * hidden.shape[1],
-                                       loss_bytes_per_token(vocab, hidden), hidden.device),
+                                       lambda: loss_bytes_per_token(vocab_size(model, family), hidden), hidden.device),
             num_items_in_batch=extra.get("num_items_in_batch"),
             shift_labels=extra.get("shift_labels"),
             logit_scale=logit_factor(model.config, family),
@@ -99,3 +98,8 @@ def _check_positions(model, family: Family, arguments: dict):
     if length > limit:
         raise ValueError(f"{length} tokens exceed this model's {limit} learned positions "
                          f"(config.{family.learned_positions}); use at most {limit} tokens per sequence")
+
+
+def vocab_size(model, family: Family) -> int | None:
+    """The LM head's output features (a LoRA-wrapped head says them too), None when it does not say."""
+    return getattr(getattr(model, family.head), "out_features", None)

@@ -53,7 +53,8 @@ def lean_norm_forward(module: torch.nn.Module, original, norm_dims: int, config:
             return original(*args, **kwargs)
         row = math.prod(x.shape[x.dim() - norm_dims:])
         token = hidden or row
-        chunk = config.chunk_tokens("norm_chunk", x.numel() // max(token, 1), norm_bytes_per_token(token), x.device)
+        chunk = config.chunk_tokens("norm_chunk", x.numel() // max(token, 1), lambda: norm_bytes_per_token(token),
+                                    x.device)
         rows = max(1, chunk * token // max(row, 1))
         return lean_norm(original, list(module.parameters()), x, rows=rows, norm_dims=norm_dims)
 

@@ -19,12 +19,15 @@ CPU = torch.device("cpu")
 
 def test_chunk_tokens_balanced_within_the_budget():
     config = BPTConfig(mlp_chunk=16, chunk_budget=6000)
-    assert config.chunk_tokens("mlp_chunk", 10_000, 1.0, CPU) == 5000  # two balanced chunks, not 6000 + 4000
-    assert config.chunk_tokens("mlp_chunk", 10_000, 0.5, CPU) == 10_000  # the whole sequence fits the budget
-    assert config.chunk_tokens("mlp_chunk", 10_000, 1000.0, CPU) == 16  # the budget holds fewer: the size as set
-    assert config.chunk_tokens("mlp_chunk", 10_000, None, CPU) == 16  # no estimate: the size as set
-    assert BPTConfig(mlp_chunk=16, chunk_budget=0).chunk_tokens("mlp_chunk", 10_000, 1.0, CPU) == 16
-    assert BPTConfig(mlp_chunk=16).chunk_tokens("mlp_chunk", 10_000, 1.0, CPU) == 16  # auto: no budget on a CPU
+    assert config.chunk_tokens("mlp_chunk", 10_000, lambda: 1.0, CPU) == 5000  # two balanced chunks, not 6000 + 4000
+    assert config.chunk_tokens("mlp_chunk", 10_000, lambda: 0.5, CPU) == 10_000  # the whole sequence fits the budget
+    assert config.chunk_tokens("mlp_chunk", 10_000, lambda: 1000.0, CPU) == 16  # the budget holds fewer: as set
+    assert config.chunk_tokens("mlp_chunk", 10_000, lambda: None, CPU) == 16  # no estimate: the size as set
+
+    def not_asked():
+        raise AssertionError("without a budget, what a token holds is not worked out")
+    assert BPTConfig(mlp_chunk=16, chunk_budget=0).chunk_tokens("mlp_chunk", 10_000, not_asked, CPU) == 16
+    assert BPTConfig(mlp_chunk=16).chunk_tokens("mlp_chunk", 10_000, not_asked, CPU) == 16  # auto: none on a CPU
     assert auto_chunk_budget(CPU) == 0
 
 
