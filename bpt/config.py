@@ -8,9 +8,9 @@ from typing import Callable
 import torch
 
 # The automatic chunk budget on a CUDA device: at most this share of its memory (an H100 80GB: 10 GB, the MLP of an 8B
-# QLoRA layer at 32K tokens in two chunks), and half of what is free at the time beyond a reserve of a sixteenth of
-# the device: near the longest context a step fits, where little is free, chunks keep the sizes set and the peak
-# stays where it was.
+# QLoRA layer at 32K tokens in two chunks), and half of what is free at the time beyond a reserve of an eighth of the
+# device: near the longest context a step fits, where little is free, chunks keep the sizes set and the peak stays
+# where it was.
 CHUNK_BUDGET_SHARE = 1 / 8
 CHUNK_BUDGET_RESERVE = 1 / 8
 CHUNK_BUDGET_FREE_SHARE = 1 / 2
@@ -26,8 +26,7 @@ class BPTConfig:
     norm_chunk: tokens whose norm temporaries (fp32 copies, statistics) exist at one time in a norm's backward.
     chunk_budget: bytes a chunk (MLP, norm, loss) may hold. Where a chunk of the sizes above holds less, it takes
         more tokens, up to the budget (balanced chunks, the whole sequence when it fits): fewer chunks, fewer kernel
-        launches and host work per step. None: auto_chunk_budget (CUDA; 0 elsewhere); 0: the
-        sizes above exactly.
+        launches and host work per step. None: auto_chunk_budget (CUDA; 0 elsewhere); 0: the sizes above exactly.
     compile: torch.compile the per-block functions; None means "where it was measured
         to help" (CUDA tensors), True forces it, False turns it off.
     eval_logits: with labels in eval mode (`model.eval()`), also return the full logits, as stock
