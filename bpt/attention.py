@@ -46,6 +46,8 @@ Semantics shared by every path:
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -55,6 +57,7 @@ from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backwa
                         block_mask_args, check_empty_rows, dropout_keep_mask, empty_rows_backward_step,
                         empty_rows_of, fill_empty_rows, finish_rows, forward_step, host_reads_allowed, make_plan,
                         scaled_query_rows, sink_rows, start_rows)
+from bpt.head_groups import head_grouped_attention
 from bpt.varlen import documents, varlen_available, varlen_causal
 
 __all__ = ["blockwise_attention", "segment_ids_from_position_ids"]
@@ -87,6 +90,7 @@ def blockwise_attention(
     kv_block: int = 1024,
     compile: bool | None = None,
     empty_rows: str = "zeros",
+    head_groups: Callable[[], int] | None = None,
 ) -> Tensor:
     """Attention over q [B, Hq, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] -> [B, Hq, Nq, Dv].
 
@@ -99,7 +103,10 @@ def blockwise_attention(
     the per-block math (None = only on CUDA, see bpt.compile). dropout: probability of dropping each
     attention probability (pass it only in training); dropout_seed: the seed of the keep-masks (None: drawn
     from torch's default generator, so torch.manual_seed makes runs repeatable). empty_rows: the stock kernel's
-    rule for rows with no visible key, one of bpt.engine.EMPTY_ROWS (module docstring).
+    rule for rows with no visible key, one of bpt.engine.EMPTY_ROWS (module docstring). head_groups: on the fused
+    path in training, torch's flash kernel with its backward run for `head_groups()` groups of key / value heads in
+    turn (asked when backward runs; a divisor of Hkv; bpt.head_groups): one group's workspace at a time, the same
+    gradients. None: SDPA, whichever fused kernel torch picks.
     """
     q, k, v = autocast_inputs(q, k, v)
     validate_inputs(q, k, v, scale, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap,
@@ -109,7 +116,7 @@ def blockwise_attention(
     needs_blockwise = key_bias is not None or sinks is not None  # SDPA takes neither
     if not needs_blockwise and _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window,
                                              alibi_slopes, softcap):
-        return _sdpa(q, k, v, scale, causal, dropout)
+        return _sdpa(q, k, v, scale, causal, dropout, head_groups)
     if not needs_blockwise and _varlen_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window,
                                                alibi_slopes, softcap, dropout):
         layout = documents(segment_ids, q.shape[0], q.shape[2], q.device)
@@ -298,9 +305,14 @@ def _cuda_fused_kernel_applies(q, k, v, is_causal: bool, gqa: bool) -> bool:
     return any(enabled() and can_use(params, False) for enabled, can_use in checks)
 
 
-def _sdpa(q, k, v, scale, causal, dropout):
+def _sdpa(q, k, v, scale, causal, dropout, head_groups=None):
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     is_causal = causal and q.shape[2] > 1
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if head_groups is not None and training and not dropout:
+        out = head_grouped_attention(q, k, v, scale=scale, is_causal=is_causal, groups=head_groups)
+        if out is not None:
+            return out
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout, **gqa)
 
 

@@ -7,13 +7,17 @@ from typing import Callable
 
 import torch
 
+from bpt.head_groups import head_groups_for
+
 # The automatic chunk budget on a CUDA device: at most this share of its memory (an H100 80GB: 10 GB, the MLP of an 8B
-# QLoRA layer at 32K tokens in two chunks), and half of what is free at the time beyond a reserve of an eighth of the
-# device: near the longest context a step fits, where little is free, chunks keep the sizes set and the peak stays
-# where it was.
+# QLoRA layer at 32K tokens in two chunks), and a quarter of what is free at the time beyond a reserve of a quarter of
+# the device: a chunk is sized when its forward runs, and its backward comes when more is held (a checkpointed layer's
+# recomputed activations, the gradients), so near the longest context a step fits, where little is free, chunks keep
+# the sizes set (8B QLoRA at 1M tokens with offload: half of what is free beyond an eighth put the MLP's backward
+# 3.5 GiB over the card, simulated).
 CHUNK_BUDGET_SHARE = 1 / 8
-CHUNK_BUDGET_RESERVE = 1 / 8
-CHUNK_BUDGET_FREE_SHARE = 1 / 2
+CHUNK_BUDGET_RESERVE = 1 / 4
+CHUNK_BUDGET_FREE_SHARE = 1 / 4
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,10 @@ class BPTConfig:
                      device: torch.device) -> int:
         """Tokens per chunk for `tokens` tokens: the option `size` (e.g. "mlp_chunk"), or more where the chunk budget
         holds more at `bytes_per_token()` (asked only when there is a budget; None: unknown, the option as set).
-        Chunks are balanced: 10K tokens at a budget of 6K make two chunks of 5K, not 6K + 4K."""
+        The largest chunk the budget allows is taken in steps of the set size times a power of two, then balanced
+        (10K tokens, set size 1K, a budget of 6K tokens: chunks of at most 4K, three of 3,334): what is free moves by
+        some MiB from call to call (the order frees come in), and chunks that followed it to the token would move the
+        step's peak with it and give the caching allocator a new block size each call."""
         configured = getattr(self, size)
         budget = self.chunk_budget if self.chunk_budget is not None else auto_chunk_budget(device)
         if not budget:
@@ -83,10 +90,45 @@ class BPTConfig:
         if not bytes_per_token:
             return configured
         largest = int(budget // bytes_per_token)
-        if largest <= configured:
+        if largest >= tokens:
+            return tokens
+        if largest < 2 * configured:
             return configured
+        largest = configured << ((largest // configured).bit_length() - 1)
         pieces = -(-tokens // largest)
         return -(-tokens // pieces)
+
+
+    def whole_fits(self, size: str, tokens: int, bytes_per_token: Callable[[], float | None],
+                   device: torch.device) -> bool:
+        """Whether `tokens` tokens run as one piece, by shapes alone (a checkpoint's recompute must take the path its
+        forward took, whatever is free then): within the option `size` as set, or within the largest budget there can
+        be (chunk_budget as set; auto: 1/8 of a CUDA device) at `bytes_per_token()`."""
+        if tokens <= getattr(self, size):
+            return True
+        largest = self.largest_budget(device)
+        per_token = bytes_per_token() if largest else None
+        return bool(per_token) and tokens * per_token <= largest
+
+    def largest_budget(self, device: torch.device) -> int:
+        """The most a chunk may ever hold: chunk_budget as set; auto: CHUNK_BUDGET_SHARE of a CUDA device, else 0."""
+        if self.chunk_budget is not None:
+            return self.chunk_budget
+        return int(torch.cuda.mem_get_info(device)[1] * CHUNK_BUDGET_SHARE) if device.type == "cuda" else 0
+
+    def attention_head_groups(self, kv_heads: int, whole_bytes: int, device: torch.device
+                              ) -> Callable[[], int] | None:
+        """How the fused attention's backward is split (bpt.head_groups), for a kernel workspace of `whole_bytes`
+        over every head: None (one backward over every head, stock's SDPA) without a budget (chunk_budget 0, or auto
+        off CUDA) or where the workspace fits the largest budget there can be (chunk_budget as set; auto: 1/8 of the
+        device), a rule of the shapes alone, so a checkpoint's recompute takes the path its forward took; else a
+        function asked when backward runs: 1 group where the budget then holds the workspace, else one key / value
+        head at a time."""
+        largest = self.largest_budget(device)
+        if not largest or whole_bytes <= largest:
+            return None
+        budget = self.chunk_budget
+        return lambda: head_groups_for(kv_heads, whole_bytes, budget if budget is not None else auto_chunk_budget(device))
 
 
 def auto_chunk_budget(device: torch.device) -> int:

@@ -2,7 +2,7 @@
 
 A stock RMSNorm / LayerNorm written in Python (x.to(float32), pow, mean, rsqrt, the normalised product, the
 weight product) leaves several fp32 tensors of the input's full size in the autograd graph. `lean_norm` runs
-the norm's own forward on the whole input under no_grad (the output is bitwise stock's), saves the input alone
+the norm's own forward under no_grad, a chunk of rows at a time (the output is bitwise stock's), saves the input alone
 (the same storage, no copy: when the caller also saves it, e.g. a residual add or a checkpoint, nothing is
 added), and in backward recomputes the forward on one chunk of rows at a time with grad enabled, so those
 temporaries exist for one chunk only.
@@ -19,7 +19,7 @@ import torch
 from bpt.recompute import autocast_replayed, autocast_state, check_no_hidden_leaves, isolated_saved_tensors
 
 
-def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor, *, rows: int,
+def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor, *, rows: int | Callable[[], int],
               norm_dims: int = 1) -> torch.Tensor:
     """Return `forward(x)`, keeping only `x` for backward.
 
@@ -27,19 +27,28 @@ def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor
     params: the module's parameters; only those with requires_grad get gradients (accumulated across chunks in
         fp32 and cast to the parameter's dtype once).
     x: [..., *D], D the `norm_dims` trailing dims the norm normalises over.
-    rows: rows of x viewed as [R, *D] recomputed at a time in backward.
+    rows: rows of x viewed as [R, *D] run at a time, or a function giving them, asked in forward and again in
+        backward (what is free when backward runs, inside a checkpointed layer's backward, is not what was free in
+        its forward).
 
     With grad disabled (inference, torch.compile full-graph) or nothing requiring grad, this is `forward(x)`.
     """
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
-        raise ValueError(f"lean_norm: rows must be a positive integer, got {rows!r}")
+    rows_now = rows if callable(rows) else (lambda: _check_rows(rows))
+    if not callable(rows):
+        _check_rows(rows)
     if isinstance(norm_dims, bool) or not isinstance(norm_dims, int) or not 1 <= norm_dims <= x.dim():
         raise ValueError(f"lean_norm: norm_dims must be in 1..{x.dim()} for an input of shape {tuple(x.shape)}, "
                          f"got {norm_dims!r}")
     trainable = [p for p in params if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or trainable):
         return forward(x)
-    return _LeanNorm.apply(forward, rows, norm_dims, x, *trainable)
+    return _LeanNorm.apply(forward, rows_now, norm_dims, x, *trainable)
+
+
+def _check_rows(rows) -> int:
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
+        raise ValueError(f"lean_norm: rows must be a positive integer, got {rows!r}")
+    return rows
 
 
 def _checked(y, x: torch.Tensor, norm_dims: int) -> torch.Tensor:
@@ -52,12 +61,24 @@ def _checked(y, x: torch.Tensor, norm_dims: int) -> torch.Tensor:
 
 class _LeanNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, rows, norm_dims, x, *params):
-        ctx.forward, ctx.rows, ctx.norm_dims = forward, rows, norm_dims
+    def forward(ctx, forward, rows_now, norm_dims, x, *params):
+        ctx.forward, ctx.rows_now, ctx.norm_dims = forward, rows_now, norm_dims
+        rows = _check_rows(rows_now())
         ctx.autocast = autocast_state([x])
         ctx.save_for_backward(x)  # the input only: shared storage with whoever else holds it
         ctx.params = params  # the module's own tensors, alive anyway: references, not saved tensors
-        return _checked(forward(x), x, norm_dims)
+        lead = x.shape[:x.dim() - norm_dims]
+        flat_x = x.reshape(-1, *x.shape[x.dim() - norm_dims:])  # [R, *D]
+        if flat_x.shape[0] <= rows:
+            return _checked(forward(x), x, norm_dims)
+        # chunk by chunk, as backward: the forward's own fp32 temporaries exist for one chunk only
+        first = _checked(forward(flat_x[:rows]), flat_x[:rows], norm_dims)  # [r, *D']
+        out = first.new_empty((flat_x.shape[0], *first.shape[1:]))
+        out[:rows] = first
+        del first
+        for start in range(rows, flat_x.shape[0], rows):
+            out[start:start + rows] = forward(flat_x[start:start + rows])
+        return out.view(*lead, *out.shape[1:])
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -69,9 +90,10 @@ class _LeanNorm(torch.autograd.Function):
         want_x = ctx.needs_input_grad[3]
         grad_x = torch.empty_like(flat_x) if want_x else None  # [R, *D]
         param_grads = [None] * len(params)  # fp32 accumulators
+        rows = _check_rows(ctx.rows_now())
         with autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
-            for start in range(0, flat_x.shape[0], ctx.rows):
-                end = min(start + ctx.rows, flat_x.shape[0])
+            for start in range(0, flat_x.shape[0], rows):
+                end = min(start + rows, flat_x.shape[0])
                 leaf = flat_x[start:end].detach().requires_grad_(want_x)  # [r, *D]
                 y = ctx.forward(leaf)  # [r, *D']
                 targets = ([leaf] if want_x else []) + list(params)

@@ -215,10 +215,10 @@ def _chunked_mlp_forward(module, original, config: BPTConfig):
         hidden = inputs[0]  # [B, N, H]
         if hidden.dim() < 3:
             return original(*inputs)
-        chunk = config.chunk_tokens("mlp_chunk", hidden.shape[1], lambda: mlp_bytes_per_token(module, hidden),
-                                    hidden.device)
-        if hidden.shape[1] <= chunk:
+        per_token = lambda: mlp_bytes_per_token(module, hidden)  # noqa: E731 (asked only where there is a budget)
+        if config.whole_fits("mlp_chunk", hidden.shape[1], per_token, hidden.device):
             return original(*inputs)
+        chunk = config.chunk_tokens("mlp_chunk", hidden.shape[1], per_token, hidden.device)
         # An MLP that returns a tuple (gpt-oss: (hidden, router_scores)) is chunked on its first output. The
         # rest are per-chunk routing details the decoder layer discards; they come back as None, so a caller
         # that did read them fails loudly instead of getting one chunk's values.

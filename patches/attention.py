@@ -5,6 +5,7 @@ import torch
 
 from bpt.attention import blockwise_attention
 from bpt.config import BPTConfig
+from bpt.head_groups import flash_backward_bytes
 from patches.masks import BlockMaskInputs
 
 ATTN_IMPLEMENTATION = "bpt"
@@ -77,6 +78,7 @@ def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, sca
         kv_block=options.kv_block,
         compile=options.compile,
         empty_rows=empty_rows,
+        head_groups=options.attention_head_groups(key.shape[1], flash_backward_bytes(query, key), query.device),
     )
 
 

@@ -53,9 +53,11 @@ def lean_norm_forward(module: torch.nn.Module, original, norm_dims: int, config:
             return original(*args, **kwargs)
         row = math.prod(x.shape[x.dim() - norm_dims:])
         token = hidden or row
-        chunk = config.chunk_tokens("norm_chunk", x.numel() // max(token, 1), lambda: norm_bytes_per_token(token),
-                                    x.device)
-        rows = max(1, chunk * token // max(row, 1))
+        tokens, device = x.numel() // max(token, 1), x.device
+
+        def rows() -> int:  # asked in forward and again in backward, from what the budget holds then
+            chunk = config.chunk_tokens("norm_chunk", tokens, lambda: norm_bytes_per_token(token), device)
+            return max(1, chunk * token // max(row, 1))
         return lean_norm(original, list(module.parameters()), x, rows=rows, norm_dims=norm_dims)
 
     setattr(forward, LEAN_NORM_ATTR, True)

@@ -8,7 +8,8 @@ model's forward move every such tensor to the host as it is saved, and back in b
 - on CUDA the copies run on a side stream (the compute stream does not wait for them), into pinned host buffers; the
   device tensor's memory is handed back to the allocator only once its copy is done (`record_stream`);
 - backward needs the layers' inputs in reverse order, so when one comes back the one saved before it starts its copy
-  back at once (prefetch one layer ahead): the compute stream waits only on the copy it needs now.
+  back at once (prefetch one layer ahead): the compute stream waits only on the copy it needs now. A layer input
+  over 1/32 of the device is not fetched ahead (`_prefetches`): at that length the copy is ~1% of the layer's work.
 - on CPU (and in the simulation) the copy is a plain one, made when saved and undone when needed.
 transformers' `activation_checkpointing_enable(offload=True)` wraps each layer's checkpoint in torch's `save_on_cpu`:
 copies on the compute stream, no prefetch, and it skips the loss's and final norm's inputs. Values are copied, never
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+
+PREFETCH_SHARE = 1 / 32
 
 
 class _Saved:
@@ -64,9 +68,16 @@ class CheckpointOffload:
         if packed.ready is not None:
             torch.cuda.current_stream().wait_event(packed.ready)
         tensor, packed.device, packed.ready = packed.device, None, None
-        if packed.index > 0:
+        if packed.index > 0 and self._prefetches(tensor):
             self._fetch(self.saved[packed.index - 1])  # the next one backward needs: on its way while this one works
         return tensor
+
+    def _prefetches(self, t: torch.Tensor) -> bool:
+        """Fetch the next one ahead unless it is over PREFETCH_SHARE of the device: a layer input that large (8B:
+        over 300K tokens) takes ~1% of its layer's backward to copy (attention grows with the square of the
+        length, the copy with the length), while held ahead it would sit beside the layer's whole working set."""
+        total = device_bytes(t.device)
+        return total is None or t.numel() * t.element_size() <= total * PREFETCH_SHARE
 
     def _to_host_async(self, t: torch.Tensor) -> torch.Tensor:
         if self.stream is None:
@@ -93,6 +104,11 @@ class CheckpointOffload:
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def device_bytes(device: torch.device) -> int | None:
+    """The memory of a CUDA device (the simulated one's too); None for others."""
+    return torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
 
 
 def checkpointed(model) -> bool:

@@ -19,7 +19,12 @@ CPU = torch.device("cpu")
 
 def test_chunk_tokens_balanced_within_the_budget():
     config = BPTConfig(mlp_chunk=16, chunk_budget=6000)
-    assert config.chunk_tokens("mlp_chunk", 10_000, lambda: 1.0, CPU) == 5000  # two balanced chunks, not 6000 + 4000
+    # the budget holds 6,000 tokens: chunks of at most 16 x 2^8 = 4,096, balanced (3 x 3,334, not 4,096 x 2 + 1,808)
+    assert config.chunk_tokens("mlp_chunk", 10_000, lambda: 1.0, CPU) == 3334
+    # what is free moving by a fifth leaves the chunk where it was (the step's peak with it)
+    assert BPTConfig(mlp_chunk=16, chunk_budget=5000).chunk_tokens("mlp_chunk", 10_000, lambda: 1.0, CPU) == 3334
+    assert BPTConfig(mlp_chunk=16, chunk_budget=8192).chunk_tokens("mlp_chunk", 10_000, lambda: 1.0, CPU) == 5000
+    assert config.chunk_tokens("mlp_chunk", 10_000, lambda: 200.0, CPU) == 16  # 30 tokens: not two set sizes, as set
     assert config.chunk_tokens("mlp_chunk", 10_000, lambda: 0.5, CPU) == 10_000  # the whole sequence fits the budget
     assert config.chunk_tokens("mlp_chunk", 10_000, lambda: 1000.0, CPU) == 16  # the budget holds fewer: as set
     assert config.chunk_tokens("mlp_chunk", 10_000, lambda: None, CPU) == 16  # no estimate: the size as set
@@ -68,7 +73,7 @@ def test_a_budget_makes_fewer_larger_chunks_with_stock_results(checkpointing):
     calls = []
     original = mlp.forward
     mlp.forward = lambda *args: (calls.append(args[0].shape[1]), original(*args))[1]
-    apply_bpt_patch(patched, **SMALL_BLOCKS, chunk_budget=24 * per_token)  # 45 tokens: two chunks, not three
+    apply_bpt_patch(patched, **SMALL_BLOCKS, chunk_budget=40 * per_token)  # 45 tokens: 32 at most, two chunks
     for model in (stock, patched):
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -95,3 +100,14 @@ def test_auto_budget_on_a_simulated_h100_cuts_the_launches(tmp_path):
     assert runs[None]["kernel_launches"] < 0.75 * runs["0"]["kernel_launches"], runs
     (auto,), (fixed,) = (runs[key]["flops_by_dtype"].values() for key in (None, "0"))
     assert auto == pytest.approx(fixed, rel=0.02)  # the same work (the loss and norms in fewer, larger pieces)
+
+
+def test_running_whole_is_a_rule_of_the_shapes():
+    """Whether the MLP runs as one piece (saving its activations) or chunked (saving its input) must not depend on
+    what is free: a checkpoint's recompute would take another path than its forward and torch refuses the mismatch."""
+    config = BPTConfig(mlp_chunk=16, chunk_budget=6000)
+    assert config.whole_fits("mlp_chunk", 16, lambda: 1e9, CPU)  # within the size as set
+    assert config.whole_fits("mlp_chunk", 6000, lambda: 1.0, CPU)  # within the largest budget
+    assert not config.whole_fits("mlp_chunk", 6001, lambda: 1.0, CPU)
+    assert not BPTConfig(mlp_chunk=16).whole_fits("mlp_chunk", 17, lambda: 1.0, CPU)  # auto: no budget on a CPU
+    assert BPTConfig(mlp_chunk=16).largest_budget(CPU) == 0

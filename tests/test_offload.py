@@ -120,6 +120,23 @@ def test_every_layer_input_goes_to_the_host_and_comes_back_one_ahead(monkeypatch
     assert recorder.events == expected
 
 
+def test_a_layer_input_over_a_share_of_the_device_is_fetched_when_needed(monkeypatch):
+    """Prefetch holds the next layer input beside the layer's working set: over PREFETCH_SHARE of the device it is
+    fetched when backward needs it instead (at such lengths the copy is ~1% of the layer's backward)."""
+    import patches.offload as offload
+
+    recorder = Recorder(monkeypatch)
+    model = checkpointed(tiny_model("llama"))
+    apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True)
+    inputs = make_batch("plain")
+    hidden_bytes = inputs["input_ids"].numel() * model.config.hidden_size * 4
+    monkeypatch.setattr(offload, "device_bytes", lambda device: int(hidden_bytes / offload.PREFETCH_SHARE) - 1)
+    loss_and_grads(model, inputs)
+    last = len(recorder.packed) - 1
+    assert recorder.events == [event for index in range(last, -1, -1) for event in (("unpack", index),
+                                                                                    ("fetch", index))]
+
+
 def test_patch_before_or_after_checkpointing_and_peft():
     inputs = make_batch("plain")
     reference = checkpointed(lora(tiny_model("llama")))

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "bpt.config.BPTConfig's)")
     p.add_argument("--chunk_budget", type=int, default=None,
                    help="bytes a chunk (MLP, norm, loss) may hold, taking more tokens than the sizes above where it "
-                   "can (default on CUDA: up to 1/8 of the device, half of what is free beyond 1/8; 0 on CPU; "
+                   "can (default on CUDA: up to 1/8 of the device, a quarter of what is free beyond 1/4; 0 on CPU; "
                    "0: the sizes exactly)")
     p.add_argument("--bpt_compile", dest="bpt_compile", action="store_true", default=None,
                    help="torch.compile the per-block functions of the patch (default: only on CUDA)")

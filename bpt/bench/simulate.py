@@ -49,7 +49,8 @@ def transformers_sees_real_tensors():
 
 @contextlib.contextmanager
 def counting_blockwise_calls(paths):
-    """Count calls of the attention paths that are not SDPA: the patch's blockwise kernel and torch's varlen one."""
+    """Count calls of the attention paths that are not SDPA: the patch's blockwise kernel, torch's varlen one, and
+    torch's flash kernel with its backward in key / value head groups (bpt.head_groups)."""
     import bpt.attention as attention
 
     inner, varlen = attention._blockwise, attention.varlen_causal
@@ -62,11 +63,20 @@ def counting_blockwise_calls(paths):
         paths["varlen"] += 1
         return varlen(*args, **kwargs)
 
+    def counted_grouped(*args, **kwargs):
+        out = grouped(*args, **kwargs)
+        if out is not None:
+            paths["flash-head-groups"] += 1
+        return out
+
+    grouped = attention.head_grouped_attention
     attention._blockwise, attention.varlen_causal = counted, counted_varlen
+    attention.head_grouped_attention = counted_grouped
     try:
         yield
     finally:
         attention._blockwise, attention.varlen_causal = inner, varlen
+        attention.head_grouped_attention = grouped
 
 
 def build_simulated_model(spec: dict, layers: int, device: torch.device | None = None):
@@ -191,6 +201,10 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: boo
         if gpu.usable_bytes is not None:
             sim.free_bytes = lambda: max(0, gpu.usable_bytes - tracker.live - unseen_bytes)
         allocator = stack.enter_context(_real_cuda_peak(sim.torch_device, held) if real else contextlib.nullcontext({}))
+        # Simulated: autograd on this thread. Its device thread releases a finished graph (the loss chunk's rows'
+        # gradient, 16 MiB at 64K for a 1B model) a moment after handing back: when, varies with the machine's load,
+        # and the step's peak with it (x14 at a 1B model's depth from 2 layers).
+        stack.enter_context(torch.autograd.set_multithreading_enabled(real))
         tracker.phase = "forward"
         # bf16 autocast on the GPU, as the recipe trains (made inside `simulate`: torch refuses it outside)
         with torch.autocast("cuda", dtype=torch.bfloat16) if gpu.is_cuda else contextlib.nullcontext():

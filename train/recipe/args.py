@@ -108,8 +108,8 @@ class BPTArguments:
                                   bpt_default=True)
     chunk_budget: int | None = flag(
         None, "Bytes a chunk (MLP, norm, loss) may hold: where the token sizes above hold less, chunks take more "
-        "tokens (fewer kernel launches); default on CUDA: up to 1/8 of the device and half of what is free beyond "
-        "1/8 of it, 0 on CPU; 0: the sizes exactly.")
+        "tokens (fewer kernel launches); default on CUDA: up to 1/8 of the device and a quarter of what is free "
+        "beyond 1/4 of it, 0 on CPU; 0: the sizes exactly.")
     bpt_compile: bool | None = flag(None, "torch.compile the per-block functions; default: only on CUDA.")
     offload_checkpoints: bool = flag(False, "Keep the layer checkpoints in host memory (pinned, copied on a side "
                                      "stream, prefetched one layer ahead): device memory then no longer grows with "

@@ -1,0 +1,103 @@
+"""Fused attention whose backward runs a group of key / value heads at a time.
+
+A fused kernel's backward holds a workspace of its own beside the gradients it returns: FlashAttention-2's is an
+fp32 dq accumulator [B, Nq, Hq, D], softmax_d [B, Hq, Nq], and with grouped-query heads dk / dv at the query heads'
+count [B, Nk, Hq, D] before they are summed down (~32 KiB per token for Llama-3.1-8B; under checkpoint offload, the
+largest item at the step's peak). Every head's backward depends on that head alone (and a key / value head's on its
+own query heads), so running the backward for one group of key / value heads (with their query heads) at a time
+gives the same gradients while holding one group's workspace. The forward is one call over every head, as stock's,
+and saves what stock's saves (q, k, v, out, logsumexp): no recompute. How many groups is asked when backward runs
+(inside a checkpointed layer's backward, where the step's peak is), so the path itself must not depend on what is
+free: the caller takes it by the inputs' shapes (BPTConfig.attention_head_groups).
+
+The kernels are torch's own: on CUDA its FlashAttention-2 (`aten._scaled_dot_product_flash_attention`, where
+torch's `can_use_flash_attention` takes the inputs), on a CPU its flash kernel (what the tests compare against
+stock); elsewhere, or when neither applies, `head_grouped_attention` answers None and the caller runs whole SDPA.
+"""
+from __future__ import annotations
+
+import torch
+from typing import Callable
+
+from torch import Tensor
+
+aten = torch.ops.aten
+
+
+def head_groups_for(kv_heads: int, whole_bytes: int, budget: int) -> int:
+    """1 when the whole workspace fits `budget`, else one key / value head at a time (kv_heads groups): where the
+    split is needed the sequence is long, and there a group of one key / value head's query heads still fills the
+    GPU with query tiles; the smallest workspace is what leaves the rest of the step room."""
+    return 1 if whole_bytes <= budget else kv_heads
+
+
+def flash_backward_bytes(q: Tensor, k: Tensor) -> int:
+    """FlashAttention-2's backward workspace for q [B, Hq, Nq, D], k [B, Hkv, Nk, D] (lengths rounded up to 128,
+    the head dim to 32): softmax_d and the fp32 dq accumulator, and dk / dv at the query heads' count under GQA."""
+    b, hq, nq, d = q.shape
+    nq_r, d_r = -(-nq // 128) * 128, -(-d // 32) * 32
+    size = b * hq * nq_r * 4 + b * nq_r * hq * d_r * 4
+    if k.shape[1] != hq:
+        size += 2 * b * k.shape[2] * hq * d * q.element_size()
+    return size
+
+
+def _flash_applies(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> bool:
+    if q.device.type == "cpu":
+        return True
+    if not q.is_cuda:
+        return False
+    from torch.backends import cuda
+
+    params = cuda.SDPAParams(q, k, v, None, 0.0, is_causal, q.shape[1] != k.shape[1])
+    return cuda.flash_sdp_enabled() and cuda.can_use_flash_attention(params, False)
+
+
+def head_grouped_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, is_causal: bool,
+                           groups: Callable[[], int]) -> Tensor | None:
+    """q [B, Hq, N, D], k / v [B, Hkv, N, D] -> [B, Hq, N, D], the backward in `groups()` groups of key / value heads
+    (asked when backward runs: what is free then; a divisor of Hkv); None where torch's flash kernel does not take
+    these inputs."""
+    if not _flash_applies(q, k, v, is_causal):
+        return None
+    return _HeadGroupedAttention.apply(q, k, v, scale, is_causal, groups)
+
+
+class _HeadGroupedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, is_causal, groups):
+        if q.device.type == "cpu":
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+            ctx.lengths = ()
+            ctx.save_for_backward(q, k, v, out, lse)
+        else:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, is_causal, False, scale=scale)
+            ctx.lengths = (max_q, max_k)
+            ctx.save_for_backward(q, k, v, out, lse, cum_q, cum_k, seed, offset)
+        ctx.scale, ctx.is_causal, ctx.groups_now = scale, is_causal, groups
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *extras = ctx.saved_tensors
+        groups = ctx.groups_now()
+        if k.shape[1] % groups:
+            raise ValueError(f"head_grouped_attention: {groups} groups do not divide {k.shape[1]} key / value heads")
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        kv_per_group, q_per_group = k.shape[1] // groups, q.shape[1] // groups
+        for group in range(groups):
+            qs = slice(group * q_per_group, (group + 1) * q_per_group)
+            ks = slice(group * kv_per_group, (group + 1) * kv_per_group)
+            args = (dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, qs].contiguous())
+            if q.device.type == "cpu":
+                grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    *args, 0.0, ctx.is_causal, scale=ctx.scale)
+            else:
+                cum_q, cum_k, seed, offset = extras
+                grads = aten._scaled_dot_product_flash_attention_backward(
+                    *args, cum_q, cum_k, *ctx.lengths, 0.0, ctx.is_causal, seed, offset, scale=ctx.scale)
+            for whole, part in zip((dq, dk, dv), grads):
+                whole[:, ks if whole is not dq else qs].copy_(part)
+            del grads
+        return dq, dk, dv, None, None, None

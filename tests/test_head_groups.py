@@ -1,0 +1,90 @@
+"""The fused attention's backward in groups of key / value heads (bpt.head_groups): the same gradients as one
+backward over every head (bitwise on the CPU's flash kernel, the one stock SDPA runs there), the group count from
+the chunk budget, a patched model's step still stock's, and on the simulated H100 a smaller backward workspace."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_offload import checkpointed
+from test_patches import SMALL_BLOCKS, assert_grads_close, loss_and_grads, make_batch
+from tiny_models import tiny_model
+
+import bpt.head_groups as head_groups
+from bpt.attention import blockwise_attention
+from bpt.config import BPTConfig
+from bpt.head_groups import head_groups_for, flash_backward_bytes
+from patches import apply_bpt_patch
+
+CPU = torch.device("cpu")
+
+
+def _attention_and_grads(q, k, v, groups):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = blockwise_attention(q, k, v, causal=True, head_groups=None if groups is None else lambda: groups)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 4), (8, 2)])
+def test_grouped_backward_is_the_whole_backward_bitwise(dtype, heads):
+    hq, hkv = heads
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 96, 32, dtype=dtype) for h in (hq, hkv, hkv))
+    whole = _attention_and_grads(q, k, v, None)  # stock's path: SDPA
+    assert torch.equal(_attention_and_grads(q, k, v, 1)[1], whole[1])  # torch's flash kernel, one backward
+    stock_q, stock_k, stock_v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    stock = F.scaled_dot_product_attention(stock_q, stock_k, stock_v, is_causal=True, enable_gqa=hq != hkv)
+    torch.testing.assert_close(whole[0], stock.detach(), rtol=0, atol=0)
+    for groups in {2, hkv}:
+        grouped = _attention_and_grads(q, k, v, groups)
+        for a, b in zip(whole, grouped):
+            assert torch.equal(a, b), groups
+
+
+def test_grouped_path_runs_only_in_training_without_dropout(monkeypatch):
+    calls = []
+    original = head_groups._HeadGroupedAttention.apply
+    monkeypatch.setattr(head_groups._HeadGroupedAttention, "apply", lambda *a: (calls.append(1), original(*a))[1])
+    q, k, v = (torch.randn(1, h, 32, 16) for h in (4, 2, 2))
+    blockwise_attention(q, k, v, head_groups=lambda: 2)  # no gradient wanted: whole SDPA
+    assert calls == []
+    blockwise_attention(q.requires_grad_(), k, v, head_groups=lambda: 2)
+    assert calls == [1]
+    blockwise_attention(q, k, v, head_groups=lambda: 2, dropout=0.1)  # SDPA's own dropout
+    assert calls == [1]
+
+
+def test_group_count_from_the_budget():
+    assert head_groups_for(8, 800, 1000) == 1
+    assert head_groups_for(8, 800, 300) == 8  # over the budget: one key / value head at a time
+    assert head_groups_for(8, 800, 0) == 8
+    q, k = torch.zeros(1, 32, 1000, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 1000, 128, dtype=torch.bfloat16)
+    # softmax_d + the fp32 dq accumulator + dk / dv at 32 heads (the simulated tracker's formula)
+    assert flash_backward_bytes(q, k) == 32 * 1024 * 4 + 1024 * 32 * 128 * 4 + 2 * 1000 * 32 * 128 * 2
+
+    assert BPTConfig().attention_head_groups(8, 800, CPU) is None  # auto: no budget off CUDA
+    assert BPTConfig(chunk_budget=0).attention_head_groups(8, 800, CPU) is None
+    assert BPTConfig(chunk_budget=800).attention_head_groups(8, 800, CPU) is None  # fits the budget: stock's SDPA
+    assert BPTConfig(chunk_budget=300).attention_head_groups(8, 800, CPU)() == 8
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_patched_model_with_grouped_backward_is_stock(checkpointing, monkeypatch):
+    calls = []
+    original = head_groups._HeadGroupedAttention.apply
+    monkeypatch.setattr(head_groups._HeadGroupedAttention, "apply", lambda *a: (calls.append(a[5]()), original(*a))[1])
+    stock = tiny_model("llama")
+    patched = copy.deepcopy(stock)
+    apply_bpt_patch(patched, **SMALL_BLOCKS, chunk_budget=1)  # nothing spare: one key / value head at a time
+    inputs = make_batch("unpadded")
+    stock_loss, stock_grads, patched_loss, patched_grads = (
+        value for model in (stock, patched) for value in loss_and_grads(checkpointed(model) if checkpointing else model,
+                                                                         inputs))
+    kv_heads = stock.config.num_key_value_heads
+    assert calls and set(calls) == {kv_heads}, calls
+    torch.testing.assert_close(patched_loss, stock_loss)
+    assert_grads_close(patched_grads, stock_grads)
