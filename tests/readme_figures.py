@@ -134,11 +134,11 @@ def qlora_block() -> str:
     rows = [[k(n), *(f"{gib(peaks[side, n]['peak_bytes'])} GiB" for side in ("stock", "patched")), ""]
             for n in sorted({n for _, n in peaks})]
     rows += [[k(r["seq_len"]), "", "", f"{gib(r['peak_bytes'])} GiB on the device, {gib(r['host_peak_bytes'])} GiB "
-              "of host memory"] for r in offload["runs"]]
-    longest = max(r["seq_len"] for r in offload["runs"] if r["fits"])
+              "of host memory"] for r in offload["runs"] if r["phase"] == "sweep"]
     rows.append(["longest that fits (`--find_max`)",
-                 *(f"{sweep['find_max'][side]['max_context_tokens']:,}" for side in ("stock", "patched")),
-                 f"at least {longest:,} (the row above)"])
+                 *(f"{found[side]['max_context_tokens']:,}" for found, side in
+                   ((sweep["find_max"], "stock"), (sweep["find_max"], "patched"),
+                    (offload["find_max"], "patched+offload")))])
     return table(["tokens", "stock", "patched", "patched + checkpoint offload"], rows)
 
 
@@ -217,21 +217,25 @@ def stated_simulated() -> list[str]:
     longest = qlora["find_max"]["patched"]["max_context_tokens"]  # at its longest: chunks at the sizes set
     patched = by_side("llama-3.1-8b-qlora-h100")["patched", longest]["bytes_per_token"] / 1024
     bf16 = by_side("llama-3.1-8b-bf16-lora-h100")["patched", 65536]
-    offload = bench("llama-3.1-8b-qlora-offload-h100")["runs"][0]
+    offload = bench("llama-3.1-8b-qlora-offload-h100")["runs"][0]  # the sweep's million tokens
     fit, over = bench("llama-3.2-1b-qlora-offload-h100")["runs"]
     fits = {True: "fit", False: "do not"}
-    largest = max(fit["peak_holders"], key=lambda h: h["bytes"])
+    biggest = max(h["bytes"] for h in offload["peak_holders"])
+    offload_longest = bench("llama-3.1-8b-qlora-offload-h100")["find_max"]["patched+offload"]["max_context_tokens"]
     return [f"bf16 [N, {hidden}] per layer: {floor:.0f} KiB per token over {layers} layers) plus one layer's working "
             f"set: {patched:.1f} KiB per token in all, {patched / floor:.2f}x that floor",
             f"(bf16 weights, 64K: {gib(bf16['peak_bytes'])} ->",
-            f"{offload['bytes_per_token'] / 1024:.1f} KiB per token (113.1 before",
-            f"({gib(offload['host_peak_bytes'], 0)} GiB at {k(offload['seq_len'])}:",
+            f"{offload['bytes_per_token'] / 1024:.1f} KiB per token at {offload['seq_len']:,} tokens "
+            f"({gib(offload['peak_bytes'])} GiB; 105.1 before",
+            f"({gib(offload['host_peak_bytes'], 0)} GiB at {offload['seq_len']:,} tokens:",
             f"--seq_lens {fit['seq_len']} {over['seq_len']} --sides patched+offload",
             f"{fit['seq_len']:,} tokens {fits[fit['fits']]} ({gib(fit['peak_bytes'])} GiB on the device, "
             f"{gib(fit['host_peak_bytes'])} GiB of host memory), {over['seq_len']:,} {fits[over['fits']]} "
             f"({gib(over['peak_bytes'])} GiB)",
-            f"the largest item is the flash backward's own {largest['dtype']} ({gib(largest['bytes'], 1)} GiB at "
-            f"{fit['seq_len'] / 1e6:.1f}M tokens"]
+            f"{sum(h['bytes'] == biggest for h in offload['peak_holders'])} tensors of {gib(biggest, 0)} GiB each",
+            f"With checkpoint offload the longest that fits is {offload_longest:,} tokens (simulated; "
+            f"{gib(offload['host_peak_bytes'], 0)} GiB of host memory at {offload['seq_len'] // 2 ** 20}M)",
+            f"The longest that fits with offload is now {offload_longest:,} tokens"]
 
 
 def stated_gpu() -> list[str]:
