@@ -83,7 +83,7 @@ class BPTConfig:
         some MiB from call to call (the order frees come in), and chunks that followed it to the token would move the
         step's peak with it and give the caching allocator a new block size each call."""
         configured = getattr(self, size)
-        budget = self.chunk_budget if self.chunk_budget is not None else auto_chunk_budget(device)
+        budget = self.budget_now(device)
         if not budget:
             return configured
         bytes_per_token = bytes_per_token()
@@ -98,6 +98,9 @@ class BPTConfig:
         pieces = -(-tokens // largest)
         return -(-tokens // pieces)
 
+    def budget_now(self, device: torch.device) -> int:
+        """The bytes a chunk may hold now: chunk_budget as set, else auto_chunk_budget (what is free at this call)."""
+        return self.chunk_budget if self.chunk_budget is not None else auto_chunk_budget(device)
 
     def whole_fits(self, size: str, tokens: int, bytes_per_token: Callable[[], float | None],
                    device: torch.device) -> bool:
@@ -127,8 +130,7 @@ class BPTConfig:
         largest = self.largest_budget(device)
         if not largest or whole_bytes <= largest:
             return None
-        budget = self.chunk_budget
-        return lambda: head_groups_for(kv_heads, whole_bytes, budget if budget is not None else auto_chunk_budget(device))
+        return lambda: head_groups_for(kv_heads, whole_bytes, self.budget_now(device))
 
 
 def auto_chunk_budget(device: torch.device) -> int:

@@ -16,9 +16,9 @@ stock); elsewhere, or when neither applies, `head_grouped_attention` answers Non
 """
 from __future__ import annotations
 
-import torch
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 aten = torch.ops.aten

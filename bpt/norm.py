@@ -33,9 +33,9 @@ def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor
 
     With grad disabled (inference, torch.compile full-graph) or nothing requiring grad, this is `forward(x)`.
     """
-    rows_now = rows if callable(rows) else (lambda: _check_rows(rows))
     if not callable(rows):
         _check_rows(rows)
+    rows_now = rows if callable(rows) else (lambda: rows)
     if isinstance(norm_dims, bool) or not isinstance(norm_dims, int) or not 1 <= norm_dims <= x.dim():
         raise ValueError(f"lean_norm: norm_dims must be in 1..{x.dim()} for an input of shape {tuple(x.shape)}, "
                          f"got {norm_dims!r}")
