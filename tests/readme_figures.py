@@ -222,7 +222,12 @@ def stated_simulated() -> list[str]:
     fits = {True: "fit", False: "do not"}
     biggest = max(h["bytes"] for h in offload["peak_holders"])
     offload_longest = bench("llama-3.1-8b-qlora-offload-h100")["find_max"]["patched+offload"]["max_context_tokens"]
-    return [f"bf16 [N, {hidden}] per layer: {floor:.0f} KiB per token over {layers} layers) plus one layer's working "
+    many = bench("llama-3.1-8b-qlora-offload-sp8-h100")
+    many_longest = many["find_max"]["patched+offload sp8 ulysses"]["max_context_tokens"]
+    at = next(r for r in many["runs"] if r["seq_len"] == many_longest)
+    return [f"fits {many_longest:,} tokens (simulated: one GPU's peak {gib(at['peak_bytes'])} GiB, "
+            f"{gib(at['host_peak_bytes'], 0)} GiB of host memory per GPU",
+            f"bf16 [N, {hidden}] per layer: {floor:.0f} KiB per token over {layers} layers) plus one layer's working "
             f"set: {patched:.1f} KiB per token in all, {patched / floor:.2f}x that floor",
             f"(bf16 weights, 64K: {gib(bf16['peak_bytes'])} ->",
             f"{offload['bytes_per_token'] / 1024:.1f} KiB per token at {offload['seq_len']:,} tokens "
@@ -355,6 +360,23 @@ def clock_block() -> str:
                   "kernels stock / patched"], rows)
 
 
+def many_gpus_block() -> str:
+    """Llama-3.1-8B QLoRA with offload on one simulated H100 and one rank of eight (sequence parallel, Ulysses): the
+    sweep's rows and each layout's longest (`llama-3.1-8b-qlora-offload-h100`, `...-offload-sp8-h100`)."""
+    rows = []
+    for name in ("llama-3.1-8b-qlora-offload-h100", "llama-3.1-8b-qlora-offload-sp8-h100"):
+        report = bench(name)
+        (layout, found), = report["find_max"].items()
+        runs = {r["seq_len"]: r for r in report["runs"] if r["ok"]}
+        gpus = f"{found.get('sequence_parallel') or 1} ({found.get('sp_mode') or 'one GPU'})"
+        lengths = [(n, f"{n:,}") for n in sorted(n for n, r in runs.items() if r["phase"] == "sweep")]
+        for n, label in lengths + [(found["max_context_tokens"], f"longest: {found['max_context_tokens']:,}")]:
+            r = runs[n]
+            rows.append([gpus, label, f"{r.get('tokens_per_rank', n):,}", f"{gib(r['peak_bytes'])} GiB",
+                         f"{gib(r['host_peak_bytes'])} GiB", "fits" if r["fits"] else "does not fit"])
+    return table(["GPUs", "tokens", "tokens per GPU", "device peak per GPU", "host memory per GPU", ""], rows)
+
+
 def speed_block() -> str:
     """The clock's predicted step of Llama-3.1-8B QLoRA on h100-80gb by length and side (the README's speed table)."""
     rows = by_side("clock-llama-3.1-8b-qlora-h100-lengths")
@@ -399,7 +421,7 @@ def stated_clock() -> list[str]:
 BLOCKS = {"default-run": default_run_block, "plan": plan_block, "bench-cpu": cpu_block, "bench-qlora": qlora_block,
           "bench-gpu-memory": gpu_memory_block, "bench-gpu-speed": gpu_speed_block,
           "bench-sequence-parallel": sequence_parallel_block, "bench-sequence-parallel-tp": sequence_parallel_tp_block,
-          "bench-clock": clock_block, "bench-speed": speed_block}
+          "bench-clock": clock_block, "bench-speed": speed_block, "bench-many-gpus": many_gpus_block}
 
 
 def readme_block(text: str, name: str) -> str:

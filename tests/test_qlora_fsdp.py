@@ -66,6 +66,18 @@ def test_fsdp_shards_the_4bit_base_and_matches_one_process(tiny, tmp_path):
     assert loaded.get_parameter(name).abs().sum() > 0  # trained values, not peft's zero init
 
 
+def test_fsdp_with_offloaded_checkpoints_matches_one_process_without(tiny, tmp_path):
+    """--fsdp with --offload_checkpoints: the checkpoints of sharded layers in host memory, per-step losses those of
+    one process keeping its checkpoints (both rows of a step, one per process under FSDP)."""
+    one = tmp_path / "one"
+    run(parse_args(base_argv(tiny, one, *COMMON, "--per_device_train_batch_size", 2, "--no_offload_checkpoints")))
+    two = tmp_path / "two"
+    done = _launch(tiny, two, "--per_device_train_batch_size", 1, "--offload_checkpoints")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FSDP2 over 2 process(es)" in done.stderr
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+
+
 def test_fsdp_cpu_offload_trains_as_fsdp_does(tiny, tmp_path):
     """--fsdp_cpu_offload: the shards, their gradients and the optimizer step in host memory (CPUOffloadPolicy;
     unpinned on a machine without CUDA) train bitwise as FSDP without it (which matches one process, above)."""

@@ -44,7 +44,7 @@ def test_plan_of_a_tiny_local_model_prints_a_verdict_and_trains_nothing(tiny, tm
 def test_the_plan_simulates_this_very_run(tiny, tmp_path):
     """Non-default flags all reach the simulated step: its peak equals run_simulation's of the spec written out by
     hand from the run's flags (the tiny model's config, 16-bit, q/v adapters, embeddings and norms trained, two
-    rows per device, each rank holding half of --max_seq_len, no packing, the block sizes, checkpoints offloaded:
+    rows per device, one rank of two splitting --max_seq_len (ring), no packing, the block sizes, checkpoints offloaded:
     the host bytes are reported)."""
     from bpt.bench.workers import run_worker
     from bpt.config import BPTConfig
@@ -56,7 +56,8 @@ def test_the_plan_simulates_this_very_run(tiny, tmp_path):
     args = parse_args(argv)
     planned = print_plan(args, echo=lambda line: None)
     config = json.loads((tiny / "model" / "config.json").read_text())
-    by_hand = dict(task="simulate", simulate="a100-40gb", side="patched+offload", seq_len=32, model_config=config, bits=16,
+    by_hand = dict(task="simulate", simulate="a100-40gb", side="patched+offload", seq_len=64, sequence_parallel=2,
+                   sp_mode="ring", model_config=config, bits=16,
                    lora=True, lora_r=4, lora_targets=["q_proj", "v_proj"], lora_dropout=0.1,
                    modules_to_save=["embed_tokens", "input_layernorm", "norm", "post_attention_layernorm"],
                    batch_size=2, gradient_checkpointing=True,
@@ -66,7 +67,11 @@ def test_the_plan_simulates_this_very_run(tiny, tmp_path):
     assert direct["ok"], direct
     assert planned.row["peak_bytes"] == direct["peak_bytes"]
     assert planned.row["host_peak_bytes"] == direct["host_peak_bytes"] > 0
-    assert any(line.startswith("  host     ") for line in format_verdict(args, planned))
+    verdict = format_verdict(args, planned)
+    assert any(line.startswith("  host     ") for line in verdict)
+    assert any("2 x 32 tokens per device (--max_seq_len 64 split 2 ways, ring: one rank's step" in line
+               for line in verdict)
+    assert direct["tokens_per_rank"] == 32 and direct["sent_bytes"] > 0  # the ring's exchanges ran
     assert planned.row["trainable_params"] == direct["trainable_params"]
     # Added analytically: AdamW's two fp32 moments and the gradients kept between the two micro-batches.
     trainable = direct["trainable_params"]

@@ -39,6 +39,18 @@ def test_two_processes_split_each_sequence_and_match_one_process(tiny, tmp_path,
     assert (two / "checkpoint-2").is_dir() and (two / "adapter_model.safetensors").exists()
 
 
+def test_offloaded_checkpoints_split_over_two_processes_match_one_process_without(tiny, tmp_path):
+    """--offload_checkpoints with --sequence_parallel 2 (ring): the checkpointed layers recompute their sharded
+    attention from host copies; per-step losses those of one process keeping its checkpoints."""
+    one = tmp_path / "one"
+    run(parse_args(base_argv(tiny, one, *COMMON, "--no_offload_checkpoints")))
+    two = tmp_path / "two"
+    done = _launch(tiny, two, "--sequence_parallel", 2, "--sp_mode", "ring", "--offload_checkpoints")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sequences split 2 ways (ring)" in done.stderr
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+
+
 def test_an_alibi_family_split_over_two_processes_matches_one_process(tiny, tmp_path):
     """Bloom: its per-key ALiBi bias is built on each shard's own positions and re-based on the global ones. One
     document per row (stock Bloom cannot keep packed documents apart), so rows are right-padded."""

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from bpt.bench.rank_share import RankShare
 from bpt.bench.report import package_version
 from bpt.bench.simulate import (build_simulated_model, extrapolated_to_depth, patch, quantiser, step_inputs,
                                 tracked_step, training_step, transformers_sees_real_tensors, unseen_layers_bytes)
@@ -191,8 +192,9 @@ def _cell(models: _Models, spec: dict, seq_len: int, layers: int, real: bool) ->
         model.zero_grad(set_to_none=True)
         if models.compile is not False:
             models.repatch(False)  # a timed step of the previous length left the compiled patch on
-        unseen = unseen_layers_bytes({**spec, "seq_len": seq_len}, model, layers)
-        row.update(tracked_step(model, inputs, models.sim, real, spec.get("top", 10), unseen_bytes=unseen))
+        share = RankShare(inputs)
+        unseen = unseen_layers_bytes(spec, model, layers, share.tokens)
+        row.update(tracked_step(model, share, models.sim, real, spec.get("top", 10), unseen_bytes=unseen))
     if spec.get("timed_steps"):
         row.update(_timed(models, inputs, spec["timed_steps"], real, spec["bpt"].get("compile")))
         if seq_len in spec.get("profile_lengths", ()):

@@ -6,11 +6,14 @@
     python -m bpt.bench --sequence_parallel 1 2 4 --sp_mode ring ulysses --lora --seq_lens 8192 32768
     python -m bpt.bench --sequence_parallel 1 2 --tensor_parallel 1 2 --lora --seq_lens 16384
     python -m bpt.bench --simulate h100-80gb --model llama-3.1-8b --bits 4 --lora --layers 2 --find_max
+    python -m bpt.bench --simulate h100-80gb --model llama-3.1-8b --bits 4 --lora --layers 2 --sides patched+offload \
+        --sequence_parallel 8 --sp_mode ring ulysses --seq_lens 8388608     (one rank of 8 GPUs, simulated)
     python -m bpt.bench --gpu_check --output gpu_check/          (on a GPU; --simulate h100-80gb: the dry run)
 
 - `build_parser`, `validate`: the flags, and every input checked before any work (errors exit with status 2)
 - `run_spec`, `sweep`: one worker spec per (side, seq_len), all lengths, then --find_max doubling
-- `simulated_sweep` (bpt.bench.simulated_sweep): with --simulate, rows of simulated steps and --find_max by bisection
+- `simulated_sweep` (bpt.bench.simulated_sweep): with --simulate, rows of simulated steps (one rank's, with
+  --sequence_parallel N) and --find_max by bisection
 - `sp_sweep`: with --sequence_parallel, one process group per size N (x --tensor_parallel T) running every
   (length, mode)
 - `main`: probe, sweep, summary, output files; or the GPU check (bpt.bench.gpu_check); or, with `--worker`, the
@@ -34,13 +37,12 @@ from bpt.bench.models import PRESETS, SIDES, resolve_model_config
 from bpt.bench.report import (environment, format_report, format_sp_report, summarize, summarize_sp,
                               write_outputs)
 from bpt.bench.sequence_parallel import SP_MODES, combine
-from bpt.bench.simulated_sweep import format_simulated, simulated_report, simulated_sweep
+from bpt.bench.simulated_sweep import format_simulated, simulated_report, simulated_sweep, validate_simulated
 from bpt.bench.workers import run_ranks, run_worker, worker_main
 from bpt.config import BPTConfig
 from bpt.gpusim.gpus import DEVICES
 
 DEFAULT_OUTPUT_DIR = "bench_results"  # without --output: the results go here, in the current directory
-SIMULATED_MAX_LEN = 1 << 22  # --find_max's cap with --simulate when --max_len is not given
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -120,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_OUTPUT_DIR}/<model>-<time>.json in the current directory")
     p.add_argument("--sequence_parallel", type=int, nargs="+", default=None, metavar="N",
                    help="sequence-parallel mode: per N, N processes (gloo on CPU, NCCL on CUDA: one GPU per rank) "
-                        "each hold a shard of every sequence; patched side only (default: off)")
+                        "each hold a shard of every sequence; patched side only; with --simulate: one rank of N "
+                        "simulated GPUs over a fake process group, its length the whole sequence's (default: off)")
     p.add_argument("--sp_mode", nargs="+", choices=SP_MODES, default=["ring"], help="with --sequence_parallel")
     p.add_argument("--tensor_parallel", type=int, nargs="+", default=[1], metavar="T",
                    help="with --sequence_parallel: per T, every size N also runs on N x T processes, each layer split "
@@ -166,7 +169,7 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     if args.torch_threads is not None and args.torch_threads <= 0:
         p.error(f"--torch_threads must be positive, got {args.torch_threads}")
     if args.simulate is not None:
-        validate_simulate(p, args)
+        validate_simulated(p, args)
     elif any((args.lora_targets, args.lora_dropout, args.layers, args.calibrate, args.bits != 16)):
         p.error("--bits, --lora_targets, --lora_dropout, --layers and --calibrate go with --simulate DEVICE")
     if args.find_max and args.max_len is None:
@@ -190,7 +193,7 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
             from patches import apply_bpt_patch  # noqa: F401
         except ImportError as error:
             p.error(f"the patched side needs patches.apply_bpt_patch ({error}); run with --sides stock")
-    if args.sequence_parallel is not None:
+    if args.sequence_parallel is not None and args.simulate is None:
         validate_sp(p, args)
     elif args.tensor_parallel != [1]:
         p.error("--tensor_parallel needs --sequence_parallel (1 for tensor parallelism alone)")
@@ -243,25 +246,6 @@ def validate_gpu_check(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         p.error(f"--gpu_check runs fixed cells (bpt.bench.gpu_check); drop {', '.join(fixed)}")
     args.bpt = patch_config(p, args)
     return gpu_check.validate(p, args)
-
-
-def validate_simulate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The --simulate flags (errors exit with status 2)."""
-    if args.sequence_parallel is not None:
-        p.error("--simulate does not combine with --sequence_parallel yet; simulate one rank's length instead")
-
-    if args.layers is not None and args.layers <= 0:
-        p.error(f"--layers must be positive, got {args.layers}")
-    if not 0.0 <= args.lora_dropout < 1.0:
-        p.error(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
-    if (args.lora_targets or args.lora_dropout) and not args.lora:
-        p.error("--lora_targets and --lora_dropout need --lora")
-    if args.simulate == "cpu" and args.bits != 16:
-        p.error("--simulate cpu follows --dtype (fp32 or bf16 weights, as the real CPU bench); drop --bits")
-    if args.calibrate and not torch.cuda.is_available():
-        p.error("--calibrate runs the real step beside the simulated one: it needs a CUDA GPU")
-    if args.find_max and args.max_len is None:
-        args.max_len = SIMULATED_MAX_LEN
 
 
 def validate_sp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -1,5 +1,6 @@
-"""Draw a --simulate report: simulated peak memory against sequence length, per side, with the device's
-capacity, its usable part and each side's longest fitting length marked.
+"""Draw a --simulate report: simulated peak memory against sequence length, per side and layout (one GPU's peak of
+a --sequence_parallel run against the whole sequence's length), with the device's capacity, its usable part and
+each line's longest fitting length marked.
 
     python -m bpt.bench.plot docs/bench/llama-3.1-8b-qlora-h100.json [more.json ...] [--output docs/bench/X.png]
 
@@ -18,6 +19,8 @@ GIB = 1 << 30
 
 
 def plot(report: dict, output: Path) -> None:
+    from bpt.bench.simulated_sweep import layout_name
+
     try:
         import matplotlib
 
@@ -27,13 +30,19 @@ def plot(report: dict, output: Path) -> None:
         sys.exit("drawing needs matplotlib: pip install matplotlib")
     env = report["environment"]
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
-    for side, color in (("stock", "tab:red"), ("patched", "tab:blue"), ("patched+offload", "tab:green")):
-        runs = sorted((r for r in report["runs"] if r["side"] == side and r["ok"]), key=lambda r: r["seq_len"])
-        if not runs:
+    colors = {"stock": "tab:red", "patched": "tab:blue", "patched+offload": "tab:green"}
+    layouts = sorted({(r["side"], r.get("sequence_parallel", 1), r.get("sp_mode")) for r in report["runs"]},
+                     key=lambda layout: (layout[1], list(colors).index(layout[0]) if layout[0] in colors else 9))
+    for side, world, mode in layouts:
+        runs = sorted((r for r in report["runs"] if (r["side"], r.get("sequence_parallel", 1), r.get("sp_mode"))
+                       == (side, world, mode) and r["ok"]), key=lambda r: r["seq_len"])
+        if not runs or side not in colors:
             continue
-        ax.plot([r["seq_len"] / 1024 for r in runs], [r["peak_bytes"] / GIB for r in runs], "o-", color=color,
-                label=f"{side} (simulated)", markersize=4)
-        longest = report["find_max"].get(side, {}).get("max_context_tokens")
+        color, name = colors[side], layout_name(side, world, mode)
+        label = f"{side} (simulated)" if world == 1 else f"{side}, {world} GPUs, {mode}: one GPU's (simulated)"
+        ax.plot([r["seq_len"] / 1024 for r in runs], [r["peak_bytes"] / GIB for r in runs],
+                "o-" if world == 1 else "s:", color=color, label=label, markersize=4)
+        longest = report["find_max"].get(name, {}).get("max_context_tokens")
         at = next((r for r in runs if r["seq_len"] == longest), None)
         if at is not None:
             ax.plot([longest / 1024], [at["peak_bytes"] / GIB], "*", color=color, markersize=14)
@@ -51,7 +60,7 @@ def plot(report: dict, output: Path) -> None:
         ax.axhline(env["usable_bytes"] / GIB, color="gray", linestyle="--", linewidth=1)
         ax.text(0.01, env["usable_bytes"] / GIB, "usable: minus the uncalibrated reserve", va="top", color="gray",
                 transform=on_left)
-    ax.set_xlabel("sequence length (tokens, batch 1)")
+    ax.set_xlabel("sequence length (tokens, batch 1; split over the GPUs of a sequence-parallel line)")
     ax.set_ylabel("peak allocated memory (GiB)")
     bits = {4: "4-bit NF4 base (QLoRA)", 16: "bf16 weights", 32: "fp32 weights"}[env["bits"]]
     lora = f"LoRA r={env['lora_r']}" if env.get("lora") else "full fine-tune"

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from bpt.bench.models import PEER, model_from_config, quantise_with_bitsandbytes
+from bpt.bench.rank_share import model_tensors, rank_share
 from bpt.gpusim.gpus import device as simulated_device
 
 WEIGHT_DTYPES = {32: torch.float32, 16: torch.bfloat16}
@@ -175,10 +176,11 @@ def training_step(model, inputs: dict, autocast: bool) -> torch.Tensor:
     return loss.detach()
 
 
-def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: bool = True, unseen_bytes: int = 0
-                 ) -> dict:
+def tracked_step(model, share, sim, real: bool, top: int = 10, clock: bool = True, unseen_bytes: int = 0) -> dict:
     """One training step under the AllocationTracker (the simulation's figures; on real tensors too), with
     torch.cuda's own peak beside them on a real GPU, inside `sim`'s device rules (entered by the caller).
+    share: this rank's `bpt.bench.rank_share.RankShare` (its inputs; the sequence-parallel attention's block and the
+    gradients' sum over the group, counted too).
     unseen_bytes: what the model's layers that are not simulated would hold, and what the run keeps beside the step
     (spec["resident_bytes"]: optimizer state, kept gradients); the simulated device's free memory (which sizes the
     patch's chunks) is what the whole run's step would leave."""
@@ -196,7 +198,7 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: boo
         stack.enter_context(counting_blockwise_calls(sim.attention_paths))
         tracker = AllocationTracker(top=top, workspace=flash_backward_workspace, host_apart=gpu.is_cuda, clock=clock)
         stack.enter_context(tracker)
-        tracker.track(*model.parameters(), *model.buffers(), *inputs.values())
+        tracker.track(*model.parameters(), *model.buffers(), *model_tensors(share.inputs))
         before = tracker.live
         if gpu.usable_bytes is not None:
             sim.free_bytes = lambda: max(0, gpu.usable_bytes - tracker.live - unseen_bytes)
@@ -207,17 +209,20 @@ def tracked_step(model, inputs: dict, sim, real: bool, top: int = 10, clock: boo
         stack.enter_context(torch.autograd.set_multithreading_enabled(real))
         tracker.phase = "forward"
         # bf16 autocast on the GPU, as the recipe trains (made inside `simulate`: torch refuses it outside)
-        with torch.autocast("cuda", dtype=torch.bfloat16) if gpu.is_cuda else contextlib.nullcontext():
-            loss = model(**inputs).loss
-        tracker.phase = "backward"
-        loss.backward()
+        with share.attention():
+            with torch.autocast("cuda", dtype=torch.bfloat16) if gpu.is_cuda else contextlib.nullcontext():
+                loss = model(**share.inputs).loss
+            tracker.phase = "backward"
+            loss.backward()  # inside the block: checkpointed layers recompute their sequence-parallel attention
+        share.after_backward()
         loss_value = float(loss.detach()) if real else None
         del loss
     del ballast
-    timed = clock.summary(inputs["input_ids"].numel()) if clock else {}
+    timed = clock.summary(share.tokens) if clock else {}
     return {**tracker.summary(), **timed, "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
             "loss": loss_value, "attention_paths": dict(sim.attention_paths),
-            "oracle_answers": dict(sim.oracle.answers)}
+            "oracle_answers": dict(sim.oracle.answers), "tokens_per_rank": share.tokens // share.inputs["input_ids"].shape[0],
+            "sent_bytes": share.sent_bytes()}
 
 
 def simulate_step(spec: dict, layers: int, real: bool = False) -> dict:
@@ -238,9 +243,9 @@ def simulate_step(spec: dict, layers: int, real: bool = False) -> dict:
             model, handle = build_simulated_model(spec, layers)
             sim = stack.enter_context(simulate(gpu))
             materialize_fake(model, sim.fake_mode, sim.torch_device)
-        unseen = unseen_layers_bytes(spec, model, layers) + spec.get("resident_bytes", 0)
-        step = tracked_step(model, step_inputs(spec, sim.torch_device, real), sim, real, spec.get("top", 10),
-                            spec.get("clock", True), unseen)
+        share = stack.enter_context(rank_share(spec, model, step_inputs(spec, sim.torch_device, real)))
+        unseen = unseen_layers_bytes(spec, model, layers, share.tokens) + spec.get("resident_bytes", 0)
+        step = tracked_step(model, share, sim, real, spec.get("top", 10), spec.get("clock", True), unseen)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if handle is not None:
         handle.remove()
@@ -249,9 +254,9 @@ def simulate_step(spec: dict, layers: int, real: bool = False) -> dict:
             "seconds": time.perf_counter() - start}
 
 
-def unseen_layers_bytes(spec: dict, model, layers: int) -> int:
+def unseen_layers_bytes(spec: dict, model, layers: int, tokens: int) -> int:
     """What the decoder layers a step of `layers` does not simulate would hold on the device: each its weights and,
-    unless offloaded, its checkpointed input (batch x tokens x hidden in the embeddings' dtype)."""
+    unless offloaded, its checkpointed input (`tokens` of this rank, all rows, x hidden in the embeddings' dtype)."""
     unseen = spec["model_config"]["num_hidden_layers"] - layers
     if unseen <= 0 or layers <= 0:
         return 0
@@ -259,7 +264,7 @@ def unseen_layers_bytes(spec: dict, model, layers: int) -> int:
     per_layer = sum(p.numel() * p.element_size() for p in stack[0].parameters())
     if spec.get("gradient_checkpointing", True) and spec["side"] != "patched+offload":
         embeddings = model.get_input_embeddings().weight
-        per_layer += spec.get("batch_size", 1) * spec["seq_len"] * embeddings.shape[1] * embeddings.element_size()
+        per_layer += tokens * embeddings.shape[1] * embeddings.element_size()
     return unseen * per_layer
 
 
@@ -301,7 +306,7 @@ def run_simulation(spec: dict) -> dict:
            "extrapolated": layers != depth, "threads": torch.get_num_threads(), **step}
     if layers != depth:
         row.update(extrapolated_to_depth(step, simulate_step(spec, layers + 1, real), layers, depth))
-    tokens = spec["batch_size"] * spec["seq_len"]
+    tokens = spec["batch_size"] * row["tokens_per_rank"]
     row["peak_gib"] = row["peak_bytes"] / 2**30
     row["bytes_per_token"] = row["step_bytes"] / tokens
     usable = simulated_device(spec["simulate"]).usable_bytes
@@ -310,7 +315,7 @@ def run_simulation(spec: dict) -> dict:
 
 
 EXTENDED = ("peak_bytes", "before_bytes", "weight_bytes", "host_peak_bytes", "ops", "cuda_peak_bytes",
-            "cuda_before_bytes", "kernel_launches", "clock_ops", "host_syncs", "clock_flops")
+            "cuda_before_bytes", "kernel_launches", "clock_ops", "host_syncs", "clock_flops", "sent_bytes")
 
 
 def extrapolated_to_depth(step: dict, more: dict, layers: int, depth: int) -> dict:

@@ -1,8 +1,11 @@
 """The `--simulate DEVICE` mode of the bench: rows of simulated steps, `--find_max` by bisection, `--calibrate`.
 
-- `simulation_spec`: the worker spec of one (side, seq_len) on the simulated device
-- `simulated_sweep`: every (side, seq_len), then per side the longest length whose simulated peak fits the
-  device's usable memory (capacity minus gpus.RESERVE_BYTES): doubling, then bisection to 1K tokens
+- `validate_simulated`: its flags (errors exit with status 2)
+- `simulation_spec`: the worker spec of one (side, layout, seq_len) on the simulated device
+- `simulated_sweep`: every (side, layout, seq_len), then per side and layout the longest length whose simulated peak
+  fits the device's usable memory (capacity minus gpus.RESERVE_BYTES): doubling, then bisection to 1K tokens
+- layouts: one device, or with `--sequence_parallel N --sp_mode M` one rank of N (bpt.bench.rank_share: the real
+  ring / Ulysses code over a fake process group); a row's seq_len is the whole sequence's, its bytes one rank's
 - `format_simulated`: the printed table (every figure labelled simulated)
 
 With `--calibrate` (a real GPU only) each row also runs the same step on real CUDA tensors and carries
@@ -18,10 +21,56 @@ from bpt.bench.simulate import longest_fitting
 from bpt.gpusim.gpus import GIB, RESERVE_BYTES
 from bpt.gpusim.gpus import device as simulated_device
 
-RESOLUTION = 1024  # --find_max's bisection stops at this many tokens
+RESOLUTION = 1024  # --find_max's bisection stops at this many tokens (per rank with --sequence_parallel)
+SIMULATED_MAX_LEN = 1 << 22  # --find_max's cap with --simulate when --max_len is not given (x N with --sequence_parallel)
 
 
-def simulation_spec(args: argparse.Namespace, model_config: dict, side: str, seq_len: int) -> dict:
+def validate_simulated(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The --simulate flags (errors exit with status 2)."""
+    import torch
+
+    if args.layers is not None and args.layers <= 0:
+        p.error(f"--layers must be positive, got {args.layers}")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        p.error(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    if (args.lora_targets or args.lora_dropout) and not args.lora:
+        p.error("--lora_targets and --lora_dropout need --lora")
+    if args.simulate == "cpu" and args.bits != 16:
+        p.error("--simulate cpu follows --dtype (fp32 or bf16 weights, as the real CPU bench); drop --bits")
+    if args.calibrate and not torch.cuda.is_available():
+        p.error("--calibrate runs the real step beside the simulated one: it needs a CUDA GPU")
+    if args.sequence_parallel is not None:
+        bad = [n for n in args.sequence_parallel if n < 1]
+        if bad:
+            p.error(f"--sequence_parallel sizes must be >= 1 (GPUs per sequence), got {bad}")
+        args.sequence_parallel = sorted(set(args.sequence_parallel))
+        args.sp_mode = [m for m in ("ring", "ulysses") if m in args.sp_mode]
+        if args.tensor_parallel != [1]:
+            p.error("--simulate models sequence parallelism, not --tensor_parallel; drop --tensor_parallel")
+        if max(args.sequence_parallel) > 1 and not any(s.startswith("patched") for s in args.sides):
+            p.error("--sequence_parallel splits the patched model only (sequence parallelism is part of the patch); "
+                    "add --sides patched or patched+offload")
+    if args.find_max and args.max_len is None:
+        args.max_len = SIMULATED_MAX_LEN * max(args.sequence_parallel or [1])
+
+
+def layouts(args: argparse.Namespace) -> list[tuple[int, str | None]]:
+    """(GPUs per sequence, sp mode) of every simulated layout: (1, None) is one device."""
+    sizes = args.sequence_parallel or [1]
+    return [(n, mode) for n in sizes for mode in ([None] if n == 1 else args.sp_mode)]
+
+
+def sides_of(args: argparse.Namespace, world: int) -> list[str]:
+    """The sides a layout runs: every one on one device, the patched ones split over several."""
+    return args.sides if world == 1 else [s for s in args.sides if s.startswith("patched")]
+
+
+def layout_name(side: str, world: int, mode: str | None) -> str:
+    return side if world == 1 else f"{side} sp{world} {mode}"
+
+
+def simulation_spec(args: argparse.Namespace, model_config: dict, side: str, seq_len: int, world: int = 1,
+                    mode: str | None = None) -> dict:
     gpu = simulated_device(args.simulate)
     bits = args.bits if gpu.is_cuda else {"fp32": 32, "bf16": 16}[args.dtype]  # fake CPU: the real bench's dtype
     return {
@@ -29,7 +78,7 @@ def simulation_spec(args: argparse.Namespace, model_config: dict, side: str, seq
         "bits": bits, "batch_size": args.batch_size, "gradient_checkpointing": args.gradient_checkpointing,
         "lora": args.lora, "lora_r": args.lora_r, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
         "layers": args.layers, "top": args.top, "bpt": asdict(args.bpt), "malloc": args.malloc,
-        "threads": args.torch_threads,
+        "threads": args.torch_threads, "sequence_parallel": world, "sp_mode": mode,
     }
 
 
@@ -37,10 +86,15 @@ def _row_line(run: dict) -> str:
     if not run["ok"]:
         return f"FAILED: {run['error']}"
     fits = {True: "fits", False: "does not fit", None: ""}[run["fits"]]
-    paths = ", ".join(f"{k} x{v}" for k, v in sorted(run["attention_paths"].items())) or "-"
+    paths = ", ".join(f"{k} x{v}" for k, v in sorted(run["attention_paths"].items()))
+    if run.get("sequence_parallel", 1) > 1:
+        paths = f"{run['sp_mode']}" + (f" over {paths}" if paths else "")
+    paths = paths or "-"
     extrapolated = f" (layers {run['layers']}->{run['depth']} extrapolated)" if run["extrapolated"] else ""
     line = (f"simulated peak {run['peak_bytes'] / GIB:7.2f} GiB  step {run['step_bytes'] / GIB:7.2f} GiB  "
             f"{run['bytes_per_token'] / 1024:7.1f} KiB/token  {fits}  attention {paths}{extrapolated}")
+    if run.get("sequence_parallel", 1) > 1:
+        line += f"  {run['tokens_per_rank']:,} tokens/rank, sent {run['sent_bytes'] / GIB:.1f} GiB/rank"
     if run.get("host_peak_bytes"):
         line += f"  host {run['host_peak_bytes'] / GIB:.2f} GiB"
     if run.get("step_seconds"):
@@ -53,13 +107,14 @@ def _row_line(run: dict) -> str:
 
 
 def simulated_sweep(args: argparse.Namespace, model_config: dict, runner: Callable[[dict], dict]) -> tuple[list, dict]:
-    """All (side, seq_len) rows, then --find_max per side. Returns (runs, find_max summary)."""
+    """All (side, layout, seq_len) rows, then --find_max per side and layout. Returns (runs, find_max summary)."""
     runs = []
 
-    def one(side, seq_len, phase):
-        spec = simulation_spec(args, model_config, side, seq_len)
-        run = {"side": side, "seq_len": seq_len, "phase": phase, "model": args.model, "bits": spec["bits"],
-               "lora_r": args.lora_r if args.lora else None, **runner(spec)}
+    def one(side, world, mode, seq_len, phase):
+        spec = simulation_spec(args, model_config, side, seq_len, world, mode)
+        run = {"side": side, "seq_len": seq_len, "sequence_parallel": world, "sp_mode": mode, "phase": phase,
+               "model": args.model, "bits": spec["bits"], "lora_r": args.lora_r if args.lora else None,
+               **runner(spec)}
         if args.calibrate and run["ok"]:
             real = runner({**spec, "real": True})
             run["calibration"] = real
@@ -68,30 +123,37 @@ def simulated_sweep(args: argparse.Namespace, model_config: dict, runner: Callab
                 run["cuda_step_bytes"] = real["cuda_step_bytes"]
                 run["tracker_on_real_peak_bytes"] = real["peak_bytes"]
         runs.append(run)
-        print(f"[{side:7s} {seq_len:>8d}] {_row_line(run)}", flush=True)
+        print(f"[{layout_name(side, world, mode)} {seq_len:>8d}] {_row_line(run)}", flush=True)
         return run
 
     for seq_len in args.seq_lens:
-        for side in args.sides:
-            one(side, seq_len, "sweep")
+        for world, mode in layouts(args):
+            for side in sides_of(args, world):
+                one(side, world, mode, seq_len, "sweep")
     found = {}
     if args.find_max:
         gpu = simulated_device(args.simulate)
-        for side in args.sides:
-            def fits(n, side=side):
-                done = next((r for r in runs if r["side"] == side and r["seq_len"] == n and r["ok"]), None)
-                run = done or one(side, n, "find_max")
-                if not run["ok"]:
-                    raise RuntimeError(f"simulation of {side} at {n} tokens failed: {run['error']}")
-                return run["fits"]
+        for world, mode in layouts(args):
+            for side in sides_of(args, world):
+                def ours(run, side=side, world=world, mode=mode):
+                    return (run["side"], run["sequence_parallel"], run["sp_mode"]) == (side, world, mode)
 
-            longest, first_over = longest_fitting(fits, min(args.seq_lens), args.max_len, RESOLUTION)
-            found[side] = {"max_context_tokens": longest, "first_over": first_over,
-                           "usable_bytes": gpu.usable_bytes, "reserve_bytes": RESERVE_BYTES,
-                           "reason": "peak over the usable memory" if first_over else f"reached --max_len {args.max_len}"}
-            for run in runs:
-                if run["side"] == side:
-                    run["max_context_tokens"] = longest
+                def fits(n, side=side, world=world, mode=mode, ours=ours):
+                    done = next((r for r in runs if ours(r) and r["seq_len"] == n and r["ok"]), None)
+                    run = done or one(side, world, mode, n, "find_max")
+                    if not run["ok"]:
+                        raise RuntimeError(f"simulation of {layout_name(side, world, mode)} at {n} tokens failed: "
+                                           f"{run['error']}")
+                    return run["fits"]
+
+                longest, first_over = longest_fitting(fits, min(args.seq_lens), args.max_len, RESOLUTION * world)
+                found[layout_name(side, world, mode)] = {
+                    "side": side, "sequence_parallel": world, "sp_mode": mode, "max_context_tokens": longest,
+                    "first_over": first_over, "usable_bytes": gpu.usable_bytes, "reserve_bytes": RESERVE_BYTES,
+                    "reason": "peak over the usable memory" if first_over else f"reached --max_len {args.max_len}"}
+                for run in runs:
+                    if ours(run):
+                        run["max_context_tokens"] = longest
     return runs, found
 
 
@@ -102,15 +164,20 @@ def format_simulated(args: argparse.Namespace, runs: list, found: dict) -> str:
         head += (f": {gpu.memory_bytes / GIB:.1f} GiB, usable {gpu.usable_bytes / GIB:.1f} GiB after a "
                  f"{RESERVE_BYTES / GIB:.0f} GiB reserve (CUDA context, workspaces, fragmentation; ~1.1 GiB of it measured on an H100)")
     lines = [head, "allocated bytes of one forward + backward (weights and grads included, no optimizer state)"]
-    for run in sorted(runs, key=lambda r: (r["seq_len"], r["side"])):
-        lines.append(f"  {run['side']:15s} {run['seq_len']:>8d}  {_row_line(run)}")
-    for side, f in found.items():
+    if any(run.get("sequence_parallel", 1) > 1 for run in runs):
+        lines.append("with --sequence_parallel N: one rank of N GPUs (its shard, the exchange buffers, the gradients' "
+                     "sum), lengths the whole sequence's")
+    width = max([15] + [len(layout_name(r["side"], r.get("sequence_parallel", 1), r.get("sp_mode"))) for r in runs])
+    for run in sorted(runs, key=lambda r: (r["seq_len"], r.get("sequence_parallel", 1), r["side"])):
+        name = layout_name(run["side"], run.get("sequence_parallel", 1), run.get("sp_mode"))
+        lines.append(f"  {name:{width}s} {run['seq_len']:>8d}  {_row_line(run)}")
+    for name, f in found.items():
         over = f" ({f['first_over']} does not)" if f["first_over"] else ""
-        lines.append(f"find_max {side}: longest that fits {f['max_context_tokens']} tokens{over}, {f['reason']}")
+        lines.append(f"find_max {name}: longest that fits {f['max_context_tokens']} tokens{over}, {f['reason']}")
     return "\n".join(lines)
 
 
-CSV_FIELDS = ("device", "model", "side", "seq_len", "bits", "lora_r", "layers", "depth", "extrapolated", "ok",
+CSV_FIELDS = ("device", "model", "side", "seq_len", "sequence_parallel", "sp_mode", "tokens_per_rank", "bits", "lora_r", "layers", "depth", "extrapolated", "ok",
               "peak_bytes", "step_bytes", "peak_gib", "bytes_per_token", "fits", "max_context_tokens", "host_peak_bytes",
               "cuda_peak_bytes")
 

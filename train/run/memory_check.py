@@ -258,12 +258,15 @@ def estimate(args, *, cuda: bool, zero3=None) -> Estimate:
             offloaded = Simulated(lambda n: step_row(n).get("host_peak_bytes") or 0, block)
             parts["offloaded"] = Part("the offloaded checkpoints (simulated)", offloaded, offloaded.line)
         if args.eval_passkey:
+            from bpt.bench.rank_share import local_tokens
+
             batch = min(EVAL_BATCH, len(args.eval_depths) * args.eval_trials)
             cache = args.sequence_parallel == 1
 
             def prefill_peak(n: int) -> int:
                 spec = plan.step_spec(args, config, n, adapters, device, rope_len=args.max_seq_len)
-                return simulate_quietly({**spec, "batch_size": batch}, prefill=cache)
+                shard = {"seq_len": local_tokens(spec), "sequence_parallel": 1}  # a rank's share of the prompt
+                return simulate_quietly({**spec, **shard, "batch_size": batch}, prefill=cache)
 
             simulated = Simulated(prefill_peak, block)
             if args.eval_lengths:  # fixed lengths, whatever --max_seq_len

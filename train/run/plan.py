@@ -4,12 +4,14 @@ What is simulated is the step `python -m train.qlora` would run with the same fl
 model code, peft, the patch, checkpointing, bf16 autocast, on fake CUDA tensors whose allocated bytes are counted):
 the model's config with this run's RoPE scaling, --bits, the LoRA targets / rank / dropout, the embeddings and norms
 of --train_embeddings_and_norms, checkpointing, the patch and its block sizes, the per-device batch, packed rows,
-and max_seq_len / --sequence_parallel tokens per rank. Each step runs in a fresh worker process (the simulated GPU
-must be loaded before torch); 2 layers and 3 are simulated and the (exactly linear) peak extended to the depth.
+and with --sequence_parallel N one rank's step of the N (bpt.bench.rank_share: the real ring / Ulysses code over a
+fake process group, its shard of the sequence and its exchange buffers). Each step runs in a fresh worker process
+(the simulated GPU must be loaded before torch); 2 layers and 3 are simulated and the (exactly linear) peak extended
+to the depth.
 
 Added analytically, not simulated: the optimizer state (OPTIMIZER_STATE_BYTES per trainable parameter), the
 gradients kept between the micro-batches of --gradient_accumulation_steps, and the gradient of a tied output head
-trained with the embedding. Not counted at all: ring / Ulysses communication buffers, DDP gradient buckets, and
+trained with the embedding. Not counted at all: DDP gradient buckets, the communication library's own buffers, and
 what gpus.RESERVE_BYTES stands for (CUDA context, kernel workspaces, fragmentation; ~1.1 GiB of it measured on one H100).
 
 The config comes from the model directory, else the hub cache (offline), else the built-in shape of a well-known
@@ -144,7 +146,7 @@ def adapter_layout(config, args) -> tuple[list | None, list | None]:
 
 def step_spec(args, config, seq_len: int, adapters: tuple, device: str | None = None,
               rope_len: int | None = None) -> dict:
-    """The worker spec of one step of this run with --max_seq_len `seq_len` (a rank's share of it), on the simulated
+    """The worker spec of one step of this run with --max_seq_len `seq_len` (one rank's of --sequence_parallel), on the simulated
     `device` (default --plan's; train.run.memory_check simulates the machine the run is on). RoPE is scaled for
     `rope_len` tokens (default `seq_len`): an evaluation at other lengths keeps the trained run's scaling."""
     from bpt.config import BPTConfig
@@ -167,7 +169,8 @@ def step_spec(args, config, seq_len: int, adapters: tuple, device: str | None = 
             layers = depth  # a per-layer pattern of its own: every layer simulated
     return {
         "task": "simulate", "simulate": device or args.plan, "side": ("patched+offload" if args.offload_checkpoints else "patched") if args.bpt else "stock",
-        "seq_len": -(-seq_len // args.sequence_parallel), "model_config": values, "bits": args.bits,
+        "seq_len": seq_len, "sequence_parallel": args.sequence_parallel, "sp_mode": args.sp_mode,
+        "model_config": values, "bits": args.bits,
         "lora": True, "lora_r": args.lora_r, "lora_targets": adapters[0], "lora_dropout": args.lora_dropout,
         "modules_to_save": adapters[1], "batch_size": args.per_device_train_batch_size,
         "gradient_checkpointing": args.gradient_checkpointing,
@@ -333,9 +336,10 @@ def format_verdict(args, p: Planned) -> list[str]:
     rope = p.spec["model_config"].get("rope_parameters") or {}
     if args.rope_scaling and rope.get("rope_type") == args.rope_scaling:
         what += f", RoPE {args.rope_scaling} x{rope['factor']:g}"
-    tokens = f"{args.per_device_train_batch_size} x {p.spec['seq_len']} tokens per device"
+    tokens = f"{args.per_device_train_batch_size} x {row['tokens_per_rank']} tokens per device"
     if args.sequence_parallel > 1:
-        tokens += f" (--max_seq_len {args.max_seq_len} split {args.sequence_parallel} ways, {args.sp_mode})"
+        tokens += (f" (--max_seq_len {args.max_seq_len} split {args.sequence_parallel} ways, {args.sp_mode}: one "
+                   "rank's step over a fake process group, its exchange buffers counted)")
     depth = (f"{row['layers']} and {row['layers'] + 1} of {row['depth']} layers run, extrapolated"
              if row["extrapolated"] else f"all {row['depth']} layers run")
     spare = p.usable_bytes - p.peak_bytes
