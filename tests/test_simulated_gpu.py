@@ -144,7 +144,7 @@ def test_bench_simulate_rows_on_a_simulated_h100(tmp_path, capsys, shim_library)
     (["--simulate", "h100-80gb", "--lora_targets", "q_proj"], "need --lora"),
     (["--simulate", "cpu", "--bits", "4"], "follows --dtype"),
     (["--simulate", "h100-80gb", "--layers", "0"], "--layers must be positive"),
-    (["--simulate", "h100-80gb", "--sequence_parallel", "2"], "does not combine"),
+    (["--simulate", "h100-80gb", "--sequence_parallel", "0"], "must be >= 1"),
     (["--simulate", "tpu-v5"], "invalid choice"),
 ])
 def test_bad_simulate_flags_fail_before_any_work(argv, message, capsys):

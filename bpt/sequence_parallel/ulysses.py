@@ -233,21 +233,25 @@ def ulysses_attention(
         return F.pad(out, (0, 0, 0, padded - seq_len))
 
     # sequence-split -> head-split: one all-to-all carrying this rank's tokens of every destination's q heads
-    # and kv heads, flattened per destination
+    # and kv heads ([kv heads, B, S, D + Dv]: k and v side by side), flattened per destination; each piece copied
+    # once, straight into the send buffer (the step's peak can sit here at long context)
     ranges = kv_head_ranges(hq, hkv, world)
     dv = v.shape[3]
-    kv = torch.cat([k, v], 3)  # [B, Hkv, S, D + Dv]
-    qt = q.transpose(0, 1)  # [Hq, B, S, D]
-    pieces = []
-    for j, (a, e) in enumerate(ranges):
-        pieces.append(qt[j * hl:(j + 1) * hl].reshape(-1))
-        pieces.append(kv[:, a:e].transpose(0, 1).reshape(-1))
     q_numel = hl * b * s * d
     kv_numel = [(e - a) * b * s * (d + dv) for a, e in ranges]
     a_r, e_r = ranges[rank]
     n_r = e_r - a_r
-    recv = _AllToAll.apply(torch.cat(pieces), [q_numel + x for x in kv_numel], [q_numel + kv_numel[rank]] * world,
+    send = q.new_empty(world * q_numel + sum(kv_numel))
+    start = 0
+    for j, (a, e) in enumerate(ranges):
+        send[start:start + q_numel].view(hl, b, s, d).copy_(q[:, j * hl:(j + 1) * hl].transpose(0, 1))
+        kv = send[start + q_numel:start + q_numel + kv_numel[j]].view(e - a, b, s, d + dv)
+        kv[..., :d].copy_(k[:, a:e].transpose(0, 1))
+        kv[..., d:].copy_(v[:, a:e].transpose(0, 1))
+        start += q_numel + kv_numel[j]
+    recv = _AllToAll.apply(send, [q_numel + x for x in kv_numel], [q_numel + kv_numel[rank]] * world,
                            group).view(world, -1)
+    del send, kv
     q_loc = recv[:, :q_numel].reshape(world, hl, b, s, d).permute(2, 1, 0, 3, 4).reshape(b, hl, padded, d)
     kv_loc = recv[:, q_numel:].reshape(world, n_r, b, s, d + dv).permute(2, 1, 0, 3, 4).reshape(
         b, n_r, padded, d + dv)
@@ -258,11 +262,15 @@ def ulysses_attention(
         kv_loc = kv_loc.index_select(1, torch.tensor(need, device=kv_loc.device))
     k_loc, v_loc = kv_loc[:, :, :seq_len, :d], kv_loc[:, :, :seq_len, d:]
 
+    del recv, kv_loc
     out = blockwise_attention(q_loc[:, :, :seq_len], k_loc, v_loc, **options)  # [B, Hl, seq_len, Dv]
-    out = F.pad(out, (0, 0, 0, padded - seq_len))  # rows past seq_len: zeros (their dO is dropped)
+    del q_loc, k_loc, v_loc
+    if padded > seq_len:
+        out = F.pad(out, (0, 0, 0, padded - seq_len))  # rows past seq_len: zeros (their dO is dropped)
 
     # head-split -> sequence-split
     send = out.reshape(b, hl, world, s, dv).permute(2, 1, 0, 3, 4).reshape(-1)  # [W, Hl, B, S, Dv] flat
+    del out
     numel = hl * b * s * dv
     recv = _AllToAll.apply(send, [numel] * world, [numel] * world, group)
     return recv.view(hq, b, s, dv).transpose(0, 1)
