@@ -105,8 +105,9 @@ def blockwise_attention(
     from torch's default generator, so torch.manual_seed makes runs repeatable). empty_rows: the stock kernel's
     rule for rows with no visible key, one of bpt.engine.EMPTY_ROWS (module docstring). head_groups: on the fused
     path in training, torch's flash kernel with its backward run for `head_groups()` groups of key / value heads in
-    turn (asked when backward runs; a divisor of Hkv; bpt.head_groups): one group's workspace at a time, the same
-    gradients. None: SDPA, whichever fused kernel torch picks.
+    turn (asked when backward runs; a divisor of Hkv, or a multiple splitting each one's query heads;
+    bpt.head_groups): one group's workspace at a time, the same gradients. None: SDPA, whichever fused kernel torch
+    picks.
     """
     q, k, v = autocast_inputs(q, k, v)
     validate_inputs(q, k, v, scale, padding_mask, segment_ids, sliding_window, alibi_slopes, softcap,

@@ -119,18 +119,18 @@ class BPTConfig:
             return self.chunk_budget
         return int(torch.cuda.mem_get_info(device)[1] * CHUNK_BUDGET_SHARE) if device.type == "cuda" else 0
 
-    def attention_head_groups(self, kv_heads: int, whole_bytes: int, device: torch.device
+    def attention_head_groups(self, q_heads: int, kv_heads: int, whole_bytes: int, device: torch.device
                               ) -> Callable[[], int] | None:
         """How the fused attention's backward is split (bpt.head_groups), for a kernel workspace of `whole_bytes`
         over every head: None (one backward over every head, stock's SDPA) without a budget (chunk_budget 0, or auto
         off CUDA) or where the workspace fits the largest budget there can be (chunk_budget as set; auto: 1/8 of the
         device), a rule of the shapes alone, so a checkpoint's recompute takes the path its forward took; else a
         function asked when backward runs: 1 group where the budget then holds the workspace, else one key / value
-        head at a time."""
+        head at a time (one query head at a time with a single one: bpt.head_groups)."""
         largest = self.largest_budget(device)
         if not largest or whole_bytes <= largest:
             return None
-        return lambda: head_groups_for(kv_heads, whole_bytes, self.budget_now(device))
+        return lambda: head_groups_for(q_heads, kv_heads, whole_bytes, self.budget_now(device))
 
 
 def auto_chunk_budget(device: torch.device) -> int:

@@ -1,11 +1,13 @@
-"""Fused attention whose backward runs a group of key / value heads at a time.
+"""Fused attention whose backward runs a group of key / value heads (or of one's query heads) at a time.
 
 A fused kernel's backward holds a workspace of its own beside the gradients it returns: FlashAttention-2's is an
 fp32 dq accumulator [B, Nq, Hq, D], softmax_d [B, Hq, Nq], and with grouped-query heads dk / dv at the query heads'
 count [B, Nk, Hq, D] before they are summed down (~32 KiB per token for Llama-3.1-8B; under checkpoint offload, the
 largest item at the step's peak). Every head's backward depends on that head alone (and a key / value head's on its
 own query heads), so running the backward for one group of key / value heads (with their query heads) at a time
-gives the same gradients while holding one group's workspace. The forward is one call over every head, as stock's,
+gives the same gradients while holding one group's workspace. With a single key / value head (a sequence-parallel
+rank's share of a GQA model) its query heads are split instead: each call sees one query head and the key / value
+head (no GQA expansion), and the key / value gradients are summed over the calls in fp32. The forward is one call over every head, as stock's,
 and saves what stock's saves (q, k, v, out, logsumexp): no recompute. How many groups is asked when backward runs
 (inside a checkpointed layer's backward, where the step's peak is), so the path itself must not depend on what is
 free: the caller takes it by the inputs' shapes (BPTConfig.attention_head_groups).
@@ -24,11 +26,14 @@ from torch import Tensor
 aten = torch.ops.aten
 
 
-def head_groups_for(kv_heads: int, whole_bytes: int, budget: int) -> int:
-    """1 when the whole workspace fits `budget`, else one key / value head at a time (kv_heads groups): where the
-    split is needed the sequence is long, and there a group of one key / value head's query heads still fills the
-    GPU with query tiles; the smallest workspace is what leaves the rest of the step room."""
-    return 1 if whole_bytes <= budget else kv_heads
+def head_groups_for(q_heads: int, kv_heads: int, whole_bytes: int, budget: int) -> int:
+    """1 when the whole workspace fits `budget`; else one key / value head at a time (kv_heads groups) when there
+    are several (where the split is needed the sequence is long, and there a group of one key / value head's query
+    heads still fills the GPU with query tiles; the smallest workspace is what leaves the rest of the step room);
+    with a single key / value head (a sequence-parallel rank's share under GQA), one query head at a time."""
+    if whole_bytes <= budget:
+        return 1
+    return kv_heads if kv_heads > 1 else q_heads
 
 
 def flash_backward_bytes(q: Tensor, k: Tensor) -> int:
@@ -55,9 +60,10 @@ def _flash_applies(q: Tensor, k: Tensor, v: Tensor, is_causal: bool) -> bool:
 
 def head_grouped_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, is_causal: bool,
                            groups: Callable[[], int]) -> Tensor | None:
-    """q [B, Hq, N, D], k / v [B, Hkv, N, D] -> [B, Hq, N, D], the backward in `groups()` groups of key / value heads
-    (asked when backward runs: what is free then; a divisor of Hkv); None where torch's flash kernel does not take
-    these inputs."""
+    """q [B, Hq, N, D], k / v [B, Hkv, N, D] -> [B, Hq, N, D], the backward in `groups()` groups (asked when backward
+    runs: what is free then): a divisor of Hkv splits the key / value heads, a multiple of Hkv dividing Hq splits
+    each key / value head's query heads too (its dk / dv summed over them in fp32); None where torch's flash kernel
+    does not take these inputs."""
     if not _flash_applies(q, k, v, is_causal):
         return None
     return _HeadGroupedAttention.apply(q, k, v, scale, is_causal, groups)
@@ -81,23 +87,38 @@ class _HeadGroupedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, *extras = ctx.saved_tensors
-        groups = ctx.groups_now()
-        if k.shape[1] % groups:
-            raise ValueError(f"head_grouped_attention: {groups} groups do not divide {k.shape[1]} key / value heads")
+        groups, hq, hkv = ctx.groups_now(), q.shape[1], k.shape[1]
+        if hkv % groups and (groups % hkv or hq % groups):
+            raise ValueError(f"head_grouped_attention: {groups} groups neither divide the {hkv} key / value heads nor "
+                             f"split each one's query heads ({hq} query heads)")
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kv_per_group, q_per_group = k.shape[1] // groups, q.shape[1] // groups
+        q_per_group, per_kv = hq // groups, max(1, groups // hkv)  # groups per key / value head
+        kv_per_group = max(1, hkv // groups)
+        summed = None  # fp32 dk / dv of one key / value head over its query-head groups
         for group in range(groups):
             qs = slice(group * q_per_group, (group + 1) * q_per_group)
-            ks = slice(group * kv_per_group, (group + 1) * kv_per_group)
+            first_kv = group // per_kv * kv_per_group
+            ks = slice(first_kv, first_kv + kv_per_group)
             args = (dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, qs].contiguous())
             if q.device.type == "cpu":
-                grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                part_q, part_k, part_v = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     *args, 0.0, ctx.is_causal, scale=ctx.scale)
             else:
                 cum_q, cum_k, seed, offset = extras
-                grads = aten._scaled_dot_product_flash_attention_backward(
-                    *args, cum_q, cum_k, *ctx.lengths, 0.0, ctx.is_causal, seed, offset, scale=ctx.scale)
-            for whole, part in zip((dq, dk, dv), grads):
-                whole[:, ks if whole is not dq else qs].copy_(part)
-            del grads
+                part_q, part_k, part_v = aten._scaled_dot_product_flash_attention_backward(
+                    *args, cum_q, cum_k, *ctx.lengths, 0.0, ctx.is_causal, seed, offset, scale=ctx.scale)[:3]
+            dq[:, qs].copy_(part_q)
+            if per_kv == 1:
+                dk[:, ks].copy_(part_k)
+                dv[:, ks].copy_(part_v)
+                continue
+            if group % per_kv == 0:
+                summed = (part_k.float(), part_v.float())
+            else:
+                summed[0].add_(part_k)
+                summed[1].add_(part_v)
+            if group % per_kv == per_kv - 1:
+                dk[:, ks].copy_(summed[0])
+                dv[:, ks].copy_(summed[1])
+            del part_q, part_k, part_v
         return dq, dk, dv, None, None, None

@@ -61,7 +61,7 @@ def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, sca
             module, query, key, value, causal=getattr(module, "is_causal", True), scaling=scaling, softcap=softcap,
             sliding_window=mask.sliding_window, alibi_slopes=alibi_slopes, key_bias=key_bias, sinks=sinks,
             dropout=dropout, q_block=options.q_block, kv_block=options.kv_block, compile=options.compile,
-            empty_rows=empty_rows)
+            empty_rows=empty_rows, head_groups=head_groups_rule(options))
     return blockwise_attention(
         query, key, value,
         scale=scaling,
@@ -78,8 +78,14 @@ def run_blockwise(module, query, key, value, attention_mask, *, dropout=0.0, sca
         kv_block=options.kv_block,
         compile=options.compile,
         empty_rows=empty_rows,
-        head_groups=options.attention_head_groups(key.shape[1], flash_backward_bytes(query, key), query.device),
+        head_groups=head_groups_rule(options)(query, key),
     )
+
+
+def head_groups_rule(options):
+    """(q, k) -> how the fused attention's backward of these inputs is split (BPTConfig.attention_head_groups): asked
+    of the tensors actually attended (a Ulysses rank's, after its all-to-all: its heads over the whole sequence)."""
+    return lambda q, k: options.attention_head_groups(q.shape[1], k.shape[1], flash_backward_bytes(q, k), q.device)
 
 
 def bpt_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,

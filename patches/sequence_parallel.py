@@ -99,8 +99,9 @@ class SequenceParallelContext:
     segment_ids: torch.Tensor | None = None
 
     def attention(self, module, query, key, value, *, causal, scaling, softcap, sliding_window, alibi_slopes,
-                  key_bias, sinks, dropout, q_block, kv_block, compile, empty_rows="zeros"):
-        """q [B, Hq, n, D], k / v [B, Hkv, n, D]: this rank's shard -> its output shard [B, Hq, n, D]."""
+                  key_bias, sinks, dropout, q_block, kv_block, compile, empty_rows="zeros", head_groups=None):
+        """q [B, Hq, n, D], k / v [B, Hkv, n, D]: this rank's shard -> its output shard [B, Hq, n, D]. head_groups:
+        (q, k) -> how a fused attention's backward is split (Ulysses' whole-sequence attention; ring has none)."""
         name = type(module).__name__
         if key_bias is not None:  # ALiBi built on this shard's own positions: re-based on the global ones
             alibi_slopes, key_bias = linear_bias_slopes(key_bias, name), None
@@ -118,7 +119,8 @@ class SequenceParallelContext:
             raise ValueError(f"sequence-parallel mode 'ulysses' splits the {query.shape[1]} query heads of {name} "
                              f"over the {world} ranks of the group, so they must divide by {world}; use mode "
                              "'ring' for this head count")
-        return ulysses_attention(query, key, value, key_bias=key_bias, sinks=sinks, **common)
+        return ulysses_attention(query, key, value, key_bias=key_bias, sinks=sinks, head_groups_rule=head_groups,
+                                 **common)
 
 
 def shard_batch(batch: dict, group=None, mode: str = "ring") -> tuple[dict, SequenceParallelContext]:

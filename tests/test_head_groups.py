@@ -45,6 +45,34 @@ def test_grouped_backward_is_the_whole_backward_bitwise(dtype, heads):
             assert torch.equal(a, b), groups
 
 
+def _grads_split_by_query_heads(dtype, hq, hkv, groups, seed=0):
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(2, h, 96, 32, dtype=dtype) for h in (hq, hkv, hkv))
+    whole, grouped = _attention_and_grads(q, k, v, None), _attention_and_grads(q, k, v, groups)
+    assert torch.equal(whole[0], grouped[0]) and torch.equal(whole[1], grouped[1])  # out, dq: bitwise
+    return q, k, v, whole, grouped
+
+
+@pytest.mark.parametrize("heads,groups", [((8, 4), 8), ((8, 2), 4), ((8, 1), 2), ((8, 1), 8), ((4, 1), 4)])
+def test_query_head_groups_give_the_whole_backward_in_fp32(heads, groups):
+    """More groups than key / value heads split each one's query heads: out and dq bitwise, dk / dv (summed over
+    the calls in fp32) within 1e-6 of the largest gradient."""
+    *_, whole, grouped = _grads_split_by_query_heads(torch.float32, *heads, groups)
+    for name, a, b in zip(("dk", "dv"), whole[2:], grouped[2:]):
+        assert (a - b).abs().max() <= 1e-6 * a.abs().max(), name
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (4, 1)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_query_head_at_a_time_is_no_further_from_fp64_in_bf16(heads, seed):
+    """What a Ulysses rank with one key / value head runs (one query head per call): each call's dk / dv rounded
+    once, summed in fp32; no further from the fp64 gradients than one backward over every head (norm of the error)."""
+    q, k, v, whole, grouped = _grads_split_by_query_heads(torch.bfloat16, *heads, heads[0], seed)
+    exact = _attention_and_grads(q.double(), k.double(), v.double(), None)
+    for name, a, b, ref in zip(("dk", "dv"), whole[2:], grouped[2:], exact[2:]):
+        assert (b.double() - ref).norm() <= (a.double() - ref).norm(), name
+
+
 def test_grouped_path_runs_only_in_training_without_dropout(monkeypatch):
     calls = []
     original = head_groups._HeadGroupedAttention.apply
@@ -59,17 +87,18 @@ def test_grouped_path_runs_only_in_training_without_dropout(monkeypatch):
 
 
 def test_group_count_from_the_budget():
-    assert head_groups_for(8, 800, 1000) == 1
-    assert head_groups_for(8, 800, 300) == 8  # over the budget: one key / value head at a time
-    assert head_groups_for(8, 800, 0) == 8
+    assert head_groups_for(32, 8, 800, 1000) == 1
+    assert head_groups_for(32, 8, 800, 300) == 8  # over the budget: one key / value head at a time
+    assert head_groups_for(32, 8, 800, 0) == 8
+    assert head_groups_for(4, 1, 800, 300) == 4  # a single key / value head: one query head at a time
     q, k = torch.zeros(1, 32, 1000, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 1000, 128, dtype=torch.bfloat16)
     # softmax_d + the fp32 dq accumulator + dk / dv at 32 heads (the simulated tracker's formula)
     assert flash_backward_bytes(q, k) == 32 * 1024 * 4 + 1024 * 32 * 128 * 4 + 2 * 1000 * 32 * 128 * 2
 
-    assert BPTConfig().attention_head_groups(8, 800, CPU) is None  # auto: no budget off CUDA
-    assert BPTConfig(chunk_budget=0).attention_head_groups(8, 800, CPU) is None
-    assert BPTConfig(chunk_budget=800).attention_head_groups(8, 800, CPU) is None  # fits the budget: stock's SDPA
-    assert BPTConfig(chunk_budget=300).attention_head_groups(8, 800, CPU)() == 8
+    assert BPTConfig().attention_head_groups(32, 8, 800, CPU) is None  # auto: no budget off CUDA
+    assert BPTConfig(chunk_budget=0).attention_head_groups(32, 8, 800, CPU) is None
+    assert BPTConfig(chunk_budget=800).attention_head_groups(32, 8, 800, CPU) is None  # fits: stock's SDPA
+    assert BPTConfig(chunk_budget=300).attention_head_groups(32, 8, 800, CPU)() == 8
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

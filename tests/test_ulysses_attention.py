@@ -177,6 +177,32 @@ def test_single_process_matches_blockwise():
     assert torch.equal(got[:, :, :n], want) and not got[:, :, n:].any()
 
 
+def test_the_head_groups_rule_is_asked_of_the_attention_the_rank_runs(monkeypatch):
+    """head_groups_rule gets the (q, k) attended (cut to seq_len) and its answer splits the fused backward: one
+    query head at a time over the single key / value head gives the gradients of one backward (fp32: within 1e-6)."""
+    import bpt.head_groups as head_groups
+
+    split = []
+    backward = head_groups._HeadGroupedAttention.backward
+    monkeypatch.setattr(head_groups._HeadGroupedAttention, "backward",
+                        staticmethod(lambda ctx, dout: (split.append(ctx.groups_now()), backward(ctx, dout))[1]))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, 40, 16, requires_grad=True) for h in (4, 1, 1))
+    asked = []
+
+    def rule(q_seen, k_seen):
+        asked.append((tuple(q_seen.shape), tuple(k_seen.shape)))
+        return lambda: q_seen.shape[1]
+
+    grads = []
+    for head_groups_rule in (None, rule):
+        out = ulysses_attention(q, k, v, seq_len=37, causal=True, head_groups_rule=head_groups_rule)
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.linspace(-1, 1, out.numel()).view(out.shape)))
+    assert asked == [((1, 4, 37, 16), (1, 1, 37, 16))] and split == [4]
+    for whole, grouped in zip(*grads):
+        assert (whole - grouped).abs().max() <= 1e-6 * whole.abs().max()
+
+
 @pytest.mark.parametrize("option, match", [({"dropout": 0.1}, "dropout"), ({"seq_len": 9}, "seq_len"),
                                            ({"padding_mask": torch.ones(1, 5, dtype=torch.bool)}, "GLOBAL"),
                                            ({"sinks": torch.zeros(3)}, "sinks")])

@@ -42,6 +42,8 @@ not reproducible against one device), and Hq not divisible by W (use ring attent
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -161,6 +163,7 @@ def ulysses_attention(
     key_bias: Tensor | None = None,
     sinks: Tensor | None = None,
     dropout: float = 0.0,
+    head_groups_rule: Callable[[Tensor, Tensor], Callable[[], int] | None] | None = None,
     **attention_kwargs,
 ) -> Tensor:
     """Self-attention over a sequence sharded contiguously across `group` (see the module docstring).
@@ -170,8 +173,9 @@ def ulysses_attention(
     (default: the length of the global padding_mask / segment_ids if given, else W * S). padding_mask
     [B, N], segment_ids [B, N], key_bias [B, Hq, N]: GLOBAL (N = seq_len or W * S), the same on every rank.
     alibi_slopes / sinks [Hq]: global. Other keyword arguments (scale, causal, sliding_window, softcap, q_block,
-    kv_block, compile) go to blockwise_attention unchanged. Without an initialised process group (or with a
-    group of one rank) this is blockwise_attention on the (cut) local tensors.
+    kv_block, compile) go to blockwise_attention unchanged. head_groups_rule: (q, k) of the attention this rank
+    runs -> blockwise_attention's head_groups (how a fused backward is split; bpt.head_groups), or None. Without an
+    initialised process group (or with a group of one rank) this is blockwise_attention on the (cut) local tensors.
     """
     if dropout:
         raise ValueError("ulysses_attention does not support dropout: pass dropout=0.0 (attention dropout is 0 "
@@ -228,8 +232,10 @@ def ulysses_attention(
         key_bias = key_bias[:, heads]
     options = dict(attention_kwargs, padding_mask=padding_mask, segment_ids=segment_ids,
                    alibi_slopes=alibi_slopes, key_bias=key_bias, sinks=sinks)
+    groups = (lambda q, k: None) if head_groups_rule is None else head_groups_rule
     if world == 1:
-        out = blockwise_attention(q[:, :, :seq_len], k[:, :, :seq_len], v[:, :, :seq_len], **options)
+        q, k, v = q[:, :, :seq_len], k[:, :, :seq_len], v[:, :, :seq_len]
+        out = blockwise_attention(q, k, v, head_groups=groups(q, k), **options)
         return F.pad(out, (0, 0, 0, padded - seq_len))
 
     # sequence-split -> head-split: one all-to-all carrying this rank's tokens of every destination's q heads
@@ -263,7 +269,8 @@ def ulysses_attention(
     k_loc, v_loc = kv_loc[:, :, :seq_len, :d], kv_loc[:, :, :seq_len, d:]
 
     del recv, kv_loc
-    out = blockwise_attention(q_loc[:, :, :seq_len], k_loc, v_loc, **options)  # [B, Hl, seq_len, Dv]
+    q_loc = q_loc[:, :, :seq_len]
+    out = blockwise_attention(q_loc, k_loc, v_loc, head_groups=groups(q_loc, k_loc), **options)  # [B, Hl, N, Dv]
     del q_loc, k_loc, v_loc
     if padded > seq_len:
         out = F.pad(out, (0, 0, 0, padded - seq_len))  # rows past seq_len: zeros (their dO is dropped)
