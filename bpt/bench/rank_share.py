@@ -28,11 +28,10 @@ class RankShare:
     attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # around forward + backward
     after_backward: Callable[[], None] = lambda: None
     sent_bytes: Callable[[], int] = lambda: 0  # what this rank sent through the sequence-parallel attention
-    world: int = 1
-    mode: str | None = None
 
     @property
     def tokens(self) -> int:
+        """Tokens of every row on this rank."""
         return self.inputs["input_ids"].numel()
 
 
@@ -70,13 +69,11 @@ def rank_share(spec: dict, model, inputs: dict):
 
     from bpt.sequence_parallel import traffic
 
-    mode = spec.get("sp_mode", "ring")
     with fake_group(world):
-        local, context = shard_batch(inputs, None, mode)
+        local, context = shard_batch(inputs, None, spec.get("sp_mode", "ring"))
         traffic.reset()
         yield RankShare(local, attention=lambda: sequence_parallel_attention(model, context),
-                        after_backward=lambda: reduce_gradients(model, None), sent_bytes=traffic.total,
-                        world=world, mode=mode)
+                        after_backward=lambda: reduce_gradients(model, None), sent_bytes=traffic.total)
 
 
 def model_tensors(inputs: dict) -> list[torch.Tensor]:

@@ -221,7 +221,7 @@ def tracked_step(model, share, sim, real: bool, top: int = 10, clock: bool = Tru
     timed = clock.summary(share.tokens) if clock else {}
     return {**tracker.summary(), **timed, "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
             "loss": loss_value, "attention_paths": dict(sim.attention_paths),
-            "oracle_answers": dict(sim.oracle.answers), "tokens_per_rank": share.tokens // share.inputs["input_ids"].shape[0],
+            "oracle_answers": dict(sim.oracle.answers), "tokens_per_rank": share.inputs["input_ids"].shape[-1],
             "sent_bytes": share.sent_bytes()}
 
 

@@ -22,7 +22,7 @@ from bpt.gpusim.gpus import GIB, RESERVE_BYTES
 from bpt.gpusim.gpus import device as simulated_device
 
 RESOLUTION = 1024  # --find_max's bisection stops at this many tokens (per rank with --sequence_parallel)
-SIMULATED_MAX_LEN = 1 << 22  # --find_max's cap with --simulate when --max_len is not given (x N with --sequence_parallel)
+SIMULATED_MAX_LEN = 1 << 22  # --find_max's cap when --max_len is not given (x N with --sequence_parallel)
 
 
 def validate_simulated(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
