@@ -185,3 +185,21 @@ def test_the_longest_length_search_is_exact_to_its_resolution(shape, limit, cap)
     assert len(probed) <= 12, probed
     if shape == "linear":
         assert len(probed) <= 4, probed
+
+
+def test_a_long_ring_plan_says_it_will_take_long(tiny, tmp_path, capsys, monkeypatch):
+    """Ring attention is simulated block by block: past RING_QUICK tokens a rank the plan says so before it starts
+    (Ulysses does not need to)."""
+    import train.run.plan as plan
+
+    def stop(spec):
+        raise plan.PlanFailed("stopped by the test")
+
+    monkeypatch.setattr(plan, "simulate", stop)
+    for mode, said in (("ring", True), ("ulysses", False)):
+        args = parse_args(base_argv(tiny, tmp_path / mode, "--plan", "h100-80gb", "--sequence_parallel", 2,
+                                    "--sp_mode", mode, "--max_seq_len", 2 * plan.RING_QUICK + 2,
+                                    "--rope_scaling", "linear"))
+        with pytest.raises(plan.PlanFailed):
+            plan.print_plan(args, echo=lambda line: None)
+        assert ("ring attention is simulated block by block" in capsys.readouterr().err) == said

@@ -35,6 +35,7 @@ SEARCH_CAP = 1 << 20  # ... and at most this many, where the model's positions s
 SHALLOW_LAYERS = 2  # layers simulated (and one more) before extrapolating to the depth
 GUIDED_PROBES = 6  # probes placed by linear interpolation of the peak before plain bisection takes over
 WORKER_TIMEOUT_S = 1800
+RING_QUICK = 16384  # tokens a rank whose ring attention simulates in about a minute (an 8B model, 2 and 3 layers)
 GIB, MIB = 1 << 30, 1 << 20
 
 
@@ -146,9 +147,9 @@ def adapter_layout(config, args) -> tuple[list | None, list | None]:
 
 def step_spec(args, config, seq_len: int, adapters: tuple, device: str | None = None,
               rope_len: int | None = None) -> dict:
-    """The worker spec of one step of this run with --max_seq_len `seq_len` (one rank's of --sequence_parallel), on the simulated
-    `device` (default --plan's; train.run.memory_check simulates the machine the run is on). RoPE is scaled for
-    `rope_len` tokens (default `seq_len`): an evaluation at other lengths keeps the trained run's scaling."""
+    """The worker spec of one step of this run with --max_seq_len `seq_len` (one rank's of --sequence_parallel), on
+    the simulated `device` (default --plan's; train.run.memory_check simulates the machine the run is on). RoPE is
+    scaled for `rope_len` tokens (default `seq_len`): an evaluation at other lengths keeps the trained run's scaling."""
     from bpt.config import BPTConfig
 
     from train.recipe.args import BPT_OPTIONS
@@ -295,6 +296,9 @@ def print_plan(args, echo: Callable[[str], None] = print) -> Planned:
     print(f"plan: simulating this run's training step on a simulated {gpu.name} (nothing is downloaded or "
           "loaded) ...", file=sys.stderr, flush=True)
     spec = step_spec(args, config, args.max_seq_len, adapters)
+    if args.sp_mode == "ring" and args.max_seq_len > RING_QUICK * args.sequence_parallel > RING_QUICK:
+        print(f"plan: ring attention is simulated block by block, as it runs: past {RING_QUICK} tokens a rank this "
+              "takes minutes to hours (--sp_mode ulysses simulates in seconds)", file=sys.stderr, flush=True)
     row = simulate(spec)
     extras = analytic_extras(args, config, row["trainable_params"])
     added = sum(b for _, b in extras)
