@@ -7,10 +7,10 @@ largest item at the step's peak). Every head's backward depends on that head alo
 own query heads), so running the backward for one group of key / value heads (with their query heads) at a time
 gives the same gradients while holding one group's workspace. With a single key / value head (a sequence-parallel
 rank's share of a GQA model) its query heads are split instead: each call sees one query head and the key / value
-head (no GQA expansion), and the key / value gradients are summed over the calls in fp32. The forward is one call over every head, as stock's,
-and saves what stock's saves (q, k, v, out, logsumexp): no recompute. How many groups is asked when backward runs
-(inside a checkpointed layer's backward, where the step's peak is), so the path itself must not depend on what is
-free: the caller takes it by the inputs' shapes (BPTConfig.attention_head_groups).
+head (no GQA expansion), and the key / value gradients are summed over the calls in fp32. The forward is one call
+over every head, as stock's, and saves what stock's saves (q, k, v, out, logsumexp): no recompute. How many groups
+is asked when backward runs (inside a checkpointed layer's backward, where the step's peak is), so the path itself
+must not depend on what is free: the caller takes it by the inputs' shapes (BPTConfig.attention_head_groups).
 
 The kernels are torch's own: on CUDA its FlashAttention-2 (`aten._scaled_dot_product_flash_attention`, where
 torch's `can_use_flash_attention` takes the inputs), on a CPU its flash kernel (what the tests compare against

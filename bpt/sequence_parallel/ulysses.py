@@ -236,7 +236,7 @@ def ulysses_attention(
     if world == 1:
         q, k, v = q[:, :, :seq_len], k[:, :, :seq_len], v[:, :, :seq_len]
         out = blockwise_attention(q, k, v, head_groups=groups(q, k), **options)
-        return F.pad(out, (0, 0, 0, padded - seq_len))
+        return F.pad(out, (0, 0, 0, padded - seq_len)) if padded > seq_len else out
 
     # sequence-split -> head-split: one all-to-all carrying this rank's tokens of every destination's q heads
     # and kv heads ([kv heads, B, S, D + Dv]: k and v side by side), flattened per destination; each piece copied
