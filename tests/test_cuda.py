@@ -127,7 +127,11 @@ def test_sequence_parallel_bench_on_nccl(tmp_path):
 def test_simulation_calibrated_against_the_real_gpu(side, capsys):
     """The simulated step beside the same step on this GPU (llama-3.2-1b shapes, 2 of its layers, LoRA, bf16
     autocast, 8K tokens): the tracker on real tensors must count what it counts on fake ones, and the allocator's
-    own peak is printed beside the prediction (the simulation's first calibration; the reserve is not in either)."""
+    own peak is printed beside the prediction (the simulation's first calibration; the reserve is not in either).
+    The one guess a fake tensor needs here is how many tokens the loss counts (`nonzero`, answered with all of them:
+    bpt.gpusim.tracker.DataOracle); real labels leave each row's last position uncounted, so the simulated peak may
+    hold one token more of the loss chunk (measured on an H100, 2026-11-27: patched 7,284,874,752 vs 7,283,331,584
+    bytes, the chunk 4,096 vs 4,095 rows; stock equal)."""
     from dataclasses import asdict
 
     from bpt.bench.models import resolve_model_config
@@ -146,27 +150,43 @@ def test_simulation_calibrated_against_the_real_gpu(side, capsys):
         print(f"\n{side} {n}: simulated peak {simulated['peak_bytes'] / 2**30:.3f} GiB, tracker on real tensors "
               f"{real['peak_bytes'] / 2**30:.3f} GiB, torch.cuda.max_memory_allocated {real['cuda_peak_bytes'] / 2**30:.3f}"
               f" GiB (step {simulated['step_bytes'] / 2**30:.3f} vs {real['cuda_step_bytes'] / 2**30:.3f})")
-    assert real["peak_bytes"] == simulated["peak_bytes"]
+    assert 0 <= simulated["peak_bytes"] - real["peak_bytes"] <= 1e-3 * real["peak_bytes"]
     assert abs(real["cuda_step_bytes"] - simulated["step_bytes"]) < 0.25 * real["cuda_step_bytes"]
 
 
-def test_head_grouped_flash_backward_matches_one_backward_and_holds_less():
-    """The fused attention's backward one key / value head group at a time (bpt.head_groups): the gradients of one
-    backward over every head (flash's dq accumulation order is per head: bitwise expected, fp32-close required), and
-    a smaller peak inside the backward (FlashAttention-2's workspace for one group)."""
-    n = 16384
-    results = []
-    for groups in (1, 2):
-        q, k, v = _qkv(n, hq=32, hkv=8)
-        out = blockwise_attention(q, k, v, head_groups=lambda: groups)
-        grad = torch.randn_like(out)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        out.backward(grad)
-        torch.cuda.synchronize()
-        results.append(((q.grad, k.grad, v.grad), torch.cuda.max_memory_allocated() - before))
-    (whole, whole_peak), (grouped, grouped_peak) = results
-    for a, b in zip(whole, grouped):
-        torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=1e-6 * a.abs().max().item())
+def _flash_backward(hq: int, hkv: int, n: int, groups: int):
+    """bf16 attention through bpt.head_groups with its backward in `groups` groups -> out, (dq, dk, dv), the peak
+    allocated inside the backward, the output gradient (seeded: the same for every call)."""
+    q, k, v = _qkv(n, hq=hq, hkv=hkv)
+    out = blockwise_attention(q, k, v, head_groups=lambda: groups)
+    grad = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=torch.Generator("cuda").manual_seed(1))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out.backward(grad)
+    torch.cuda.synchronize()
+    return out.detach(), (q.grad, k.grad, v.grad), torch.cuda.max_memory_allocated() - before, grad
+
+
+def _fp32_gradients(hq: int, hkv: int, n: int, grad):
+    q, k, v = (t.detach().float().requires_grad_() for t in _qkv(n, hq=hq, hkv=hkv))
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1),
+                                         is_causal=True)
+    out.backward(grad.float())
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("hq,hkv,groups,n", [(32, 8, 2, 16384), (4, 1, 4, 8192)])
+def test_head_grouped_flash_backward_no_further_from_fp32_and_holds_less(hq, hkv, groups, n):
+    """The fused attention's backward a group of heads at a time (bpt.head_groups): key / value head groups (Llama-3.1
+    -8B's 32 / 8 heads) and, with a single key / value head (a Ulysses rank's share), one query head per call with
+    dk / dv summed in fp32. The forward is one kernel either way (bitwise); FlashAttention-2's backward on CUDA adds
+    dq up across key blocks in whatever order its blocks finish (measured on an H100, 2026-11-27: two backwards of
+    the same inputs differ by one bf16 step in 160 of 4M dq elements), so the gradients are held against an fp32
+    reference: no further from it than one backward over every head. And a smaller peak inside the backward."""
+    whole_out, whole, whole_peak, grad = _flash_backward(hq, hkv, n, 1)
+    grouped_out, grouped, grouped_peak, _ = _flash_backward(hq, hkv, n, groups)
+    assert torch.equal(grouped_out, whole_out)
+    for name, a, b, exact in zip(("dq", "dk", "dv"), whole, grouped, _fp32_gradients(hq, hkv, n, grad)):
+        assert (b.float() - exact).norm() <= WORSE_AT_MOST * (a.float() - exact).norm(), name
     assert grouped_peak < whole_peak, (grouped_peak, whole_peak)
