@@ -93,6 +93,25 @@ def test_kernel_kinds():
         "memory_bound"
 
 
+def test_runtime_calls_rank_the_host_side_cuda_calls():
+    """The profiled step's CUDA runtime calls by host time, the ones that can stall the host marked; kernels (device
+    events) and aten ops are not runtime calls."""
+    from types import SimpleNamespace
+
+    from bpt.bench.cells import runtime_calls
+
+    def event(name, us, device="DeviceType.CPU"):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(elapsed_us=lambda: us))
+    events = [event("cudaLaunchKernel", 5), event("cudaLaunchKernel", 5), event("cudaStreamSynchronize", 400),
+              event("cudaHostAlloc", 900), event("aten::mm", 50), event("cudaMemcpyAsync", 3, "DeviceType.CUDA")]
+    calls = runtime_calls(events, top=2)
+    assert [(c["name"], c["calls"], c["host_wait"]) for c in calls] == [("cudaHostAlloc", 1, True),
+                                                                        ("cudaStreamSynchronize", 1, True)]
+    assert abs(calls[0]["seconds"] - 900e-6) < 1e-12
+    assert runtime_calls(events, top=5)[-1] == {"name": "cudaLaunchKernel", "calls": 2, "seconds": 10e-6,
+                                                "host_wait": False}
+
+
 def test_rates_on_this_cpu():
     """The clock's microbenchmarks run (small sizes on a CPU) and give rates in a CPU's range."""
     from bpt.gpusim.rates import measure_rates

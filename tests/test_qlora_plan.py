@@ -69,6 +69,7 @@ def test_the_plan_simulates_this_very_run(tiny, tmp_path):
     assert planned.row["host_peak_bytes"] == direct["host_peak_bytes"] > 0
     verdict = format_verdict(args, planned)
     assert any(line.startswith("  host     ") for line in verdict)
+    assert any(line.startswith("  note     fits without --offload_checkpoints too (at most ") for line in verdict)
     assert any("2 x 32 tokens per device (--max_seq_len 64 split 2 ways, ring: one rank's step" in line
                for line in verdict)
     assert direct["tokens_per_rank"] == 32 and direct["sent_bytes"] > 0  # the ring's exchanges ran
@@ -77,6 +78,21 @@ def test_the_plan_simulates_this_very_run(tiny, tmp_path):
     trainable = direct["trainable_params"]
     assert planned.peak_bytes == direct["peak_bytes"] + 8 * trainable + 4 * trainable
     assert planned.longest == 128 and planned.first_over is None  # the model's positions
+
+
+def test_offload_is_called_unneeded_only_where_the_offloaded_bytes_fit_back():
+    """The note's bound: the plan's peak plus every offloaded byte back on the device, against the usable memory;
+    nothing without --offload_checkpoints."""
+    from types import SimpleNamespace
+
+    from train.run.plan import Planned, offload_notes
+
+    def notes(peak, offloaded, usable, offload=True):
+        planned = Planned("h100-80gb", "", {}, {"host_peak_bytes": offloaded}, [], peak, usable)
+        return offload_notes(SimpleNamespace(offload_checkpoints=offload), planned)
+    assert notes(40, 60, 100) and "at most 100.0 B" not in notes(40, 60, 100)[0]
+    assert notes(41, 60, 100) == []
+    assert notes(40, 0, 100) == [] and notes(40, 60, 100, offload=False) == []
 
 
 def test_a_hub_name_with_a_built_in_shape_plans_offline(tmp_path):

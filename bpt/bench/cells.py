@@ -180,7 +180,27 @@ def profiled_step(model, inputs: dict, real: bool, top: int = 12) -> dict:
     return {"profiled_wall_seconds": wall, "kernel_launches": len(kernels), "aten_calls": aten,
             "kernel_seconds": sum(by_kind.values()), "kernel_seconds_by_kind": by_kind,
             "kernels_by_kind": count_by_kind,
-            "busiest_kernels": [{"name": name[:160], "seconds": s, "calls": c} for name, (s, c) in busiest]}
+            "busiest_kernels": [{"name": name[:160], "seconds": s, "calls": c} for name, (s, c) in busiest],
+            "runtime_calls": runtime_calls(prof.events(), top)}
+
+
+HOST_WAITS = ("Synchronize", "Malloc", "Free", "HostAlloc", "HostRegister")  # runtime calls that can stall the host
+
+
+def runtime_calls(events, top: int) -> list[dict]:
+    """The CUDA runtime calls the host made in a profiled step (cudaLaunchKernel, cudaMemcpyAsync, ...), the `top`
+    by host time: a step whose GPU idles while its host is not busy launching waits in one of these (a stream
+    synchronisation, a cudaMalloc or a pinned allocation), which a kernel count cannot show."""
+    by_name: dict[str, list] = {}
+    for e in events:
+        if str(getattr(e, "device_type", "")).endswith("CUDA") or not e.name.startswith("cuda"):
+            continue
+        calls = by_name.setdefault(e.name, [0, 0.0])
+        calls[0] += 1
+        calls[1] += e.time_range.elapsed_us() / 1e6
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": name, "calls": calls, "seconds": seconds,
+             "host_wait": any(part in name for part in HOST_WAITS)} for name, (calls, seconds) in ranked]
 
 
 def _cell(models: _Models, spec: dict, seq_len: int, layers: int, real: bool) -> dict:

@@ -436,4 +436,8 @@ def _clock_lines(report: dict) -> list[str]:
         lines.append(f"  profile {r['side']:15s} {r['bits']:>2d}-bit {r['seq_len']:>7d}: {p['kernel_launches']} "
                      f"kernels, {p['aten_calls']} aten calls; kernel time {p['kernel_seconds']:.3f} s{busy} "
                      f"({kinds})")
+        waits = [c for c in p.get("runtime_calls", []) if c["host_wait"]]
+        if waits:
+            lines.append("    host waits: " + ", ".join(f"{c['name']} {c['calls']} x {c['seconds'] * 1e3:.1f} ms"
+                                                         for c in waits))
     return lines
