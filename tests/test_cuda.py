@@ -88,12 +88,6 @@ def test_blockwise_compiled_bf16_no_worse_than_stock():
                 f"{name}: {label} error {(ours - x).norm():.3e}, stock's {stock_error:.3e}"
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "falcon_alibi", "mistral"])
-@pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
-def test_families_bf16_on_cuda(name, mode):
-    assert_no_worse_than_stock(low_precision_errors(name, "right_padded", mode, device="cuda"))
-
-
 def test_qlora_cli_4bit_step_on_cuda(tmp_path):
     """The CLI's 4-bit QLoRA path (bitsandbytes CUDA kernels, bf16 autocast, compiled blocks)."""
     out = tmp_path / "run"
@@ -190,3 +184,10 @@ def test_head_grouped_flash_backward_no_further_from_fp32_and_holds_less(hq, hkv
     for name, a, b, exact in zip(("dq", "dk", "dv"), whole, grouped, _fp32_gradients(hq, hkv, n, grad)):
         assert (b.float() - exact).norm() <= WORSE_AT_MOST * (a.float() - exact).norm(), name
     assert grouped_peak < whole_peak, (grouped_peak, whole_peak)
+
+
+# Last: passed on an H100 in both GPU checks so far; the pytest order is the order a short lease gets through them.
+@pytest.mark.parametrize("name", ["llama", "gemma2", "falcon_alibi", "mistral"])
+@pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])
+def test_families_bf16_on_cuda(name, mode):
+    assert_no_worse_than_stock(low_precision_errors(name, "right_padded", mode, device="cuda"))

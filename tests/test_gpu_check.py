@@ -158,6 +158,27 @@ def test_cuda_tier_keeps_each_failure_with_its_text(tmp_path):
         "cuda_tier": tier})
 
 
+def test_only_the_parts_asked_for_run(tmp_path):
+    """--gpu_check_parts: the environment, then the parts named, none other started (no cell, no simulation); the
+    time each keeps for the later parts counts only those that run (all five: 400 s after the clock)."""
+    from types import SimpleNamespace
+
+    asked = []
+
+    def runner(spec, timeout=None):
+        asked.append(spec["task"])
+        return {"ok": True, "gpu": "simulated h100-80gb", "memory_bytes": 80 << 30, "versions": {}}
+    main(["--gpu_check", "--simulate", "h100-80gb", "--output", str(tmp_path), "--gpu_check_parts", "clock"],
+         runner=runner)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["parts_done"] == ["environment", "clock"] and asked == ["environment"]
+
+    def reserve(part, parts):
+        return gpu_check.Check.reserve_after(SimpleNamespace(args=SimpleNamespace(gpu_check_parts=parts)), part)
+    assert reserve("clock", gpu_check.PARTS) == 400 and reserve("cuda_tier", gpu_check.PARTS) == 50
+    assert reserve("speed", ["speed", "max_context"]) == 50 and reserve("max_context", gpu_check.PARTS) == 5
+
+
 @pytest.mark.parametrize("name, memory, card", [
     ("NVIDIA H100 80GB HBM3", 85017493504, "h100-80gb"), ("NVIDIA H200", 150 << 30, "h200-141gb"),
     ("NVIDIA A100-SXM4-40GB", 40 << 30, "a100-40gb"), ("NVIDIA A100-SXM4-80GB", 80 << 30, "a100-80gb"),

@@ -52,8 +52,10 @@ MAX_CONTEXT_SIDES = ("patched", "patched+offload")
 MAX_CONTEXT_START = 65536
 FIND_MAX_RESOLUTION = 8192  # the simulation's bisection on the card, in tokens
 SIM_LAYERS = 2  # the simulated rows run 2 and 3 layers and extend the (linear) bytes to the depth
-# Seconds each part leaves for the parts after it, out of the check's budget.
-RESERVE_AFTER = {"clock": 400, "memory": 300, "speed": 200, "cuda_tier": 50, "max_context": 5}
+PARTS = ("clock", "memory", "speed", "cuda_tier", "max_context")  # in the order they run, after the environment
+# The least seconds each part keeps for itself out of the check's budget: a running part leaves the later ones theirs.
+PART_SECONDS = {"clock": 20, "memory": 100, "speed": 100, "cuda_tier": 150, "max_context": 45}
+END_SECONDS = 5  # writing the report
 CARDS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100-80gb"), ("L40S", "l40s-48gb"),
          ("4090", "rtx4090-24gb"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "with --simulate CARD it runs on that simulated card (the dry run)")
     group.add_argument("--time_budget", type=float, default=480.0,
                        help="with --gpu_check: seconds for the whole check, shared out so every part gets its turn")
+    group.add_argument("--gpu_check_parts", nargs="+", choices=PARTS, default=list(PARTS),
+                       help="with --gpu_check: the parts to run (default: all; the environment always runs), e.g. "
+                            "cuda_tier max_context on a card whose memory and speed are already measured")
 
 
 def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -120,9 +125,14 @@ class Check:
         workers = max(1, min(8, (os.cpu_count() or 2) - 2))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
 
+    def reserve_after(self, part: str) -> float:
+        """Seconds the check keeps for the parts after `part` (those it runs) and for writing the report."""
+        later = PARTS[PARTS.index(part) + 1:]
+        return END_SECONDS + sum(PART_SECONDS[p] for p in later if p in self.args.gpu_check_parts)
+
     def left(self, part: str) -> float:
         """Seconds this part may still use: to the deadline, less what the later parts keep."""
-        return self.deadline - time.time() - RESERVE_AFTER[part]
+        return self.deadline - time.time() - self.reserve_after(part)
 
     def save(self, part: str | None = None) -> None:
         if part:
@@ -153,7 +163,7 @@ class Check:
         """Run one side's lengths in one worker (on the GPU, or the simulated card); -> one row per length."""
         extra.setdefault("layers", None if self.real else SIM_LAYERS)  # the dry run: as the simulated rows
         spec = self.spec(side, bits, task="cells", real=self.real, seq_lens=list(seq_lens), **extra)
-        timeout = max(30.0, self.deadline - time.time() - RESERVE_AFTER[part] + 60)
+        timeout = max(30.0, self.left(part) + 60)
         print(f"[gpu_check] {part}: {side} {bits}-bit {list(seq_lens)} ...", flush=True)
         result = self.runner(spec, timeout)
         rows = result.get("cells") or result.get("partial", {}).get("cells", [])
@@ -240,7 +250,7 @@ def part_speed(check: Check) -> None:
             cells = [{"seq_len": n, "ok": False, "error": "not run: the check's time budget"} for n in lengths]
         else:
             cells = check.cells(side, lengths, "speed", tracked=False, timed_steps=TIMED_STEPS,
-                                deadline=check.deadline - RESERVE_AFTER["speed"])
+                                deadline=check.deadline - check.reserve_after("speed"))
         check.report["speed"].extend(_speed_row(side, 16, cell, check.real) for cell in cells)
         check.save()
     check.save("speed")
@@ -270,7 +280,7 @@ def simulated_find_max(check: Check, side: str) -> dict:
     tried = {}
 
     def fits(n: int) -> bool:
-        if time.time() > check.deadline - RESERVE_AFTER["max_context"]:
+        if check.left("max_context") < 0:
             raise RuntimeError(f"stopped at the check's time budget before {n} tokens")
         spec = check.spec(side, task="simulate", seq_len=n, layers=SIM_LAYERS, threads=1)
         row = check.runner(spec, check.until_deadline())
@@ -303,7 +313,7 @@ def part_max_context(check: Check, find_max: dict) -> None:
             # is not the per-layer growth (64K patched: 2.5x the simulation's figure)
             cells = check.cells(side, lengths, "max_context", tracked=True, layers=SIM_LAYERS,
                                 stop_at_first_failure=True,
-                                usable_bytes=usable, deadline=check.deadline - RESERVE_AFTER["max_context"])
+                                usable_bytes=usable, deadline=check.deadline - check.reserve_after("max_context"))
         fitting = [c["seq_len"] for c in cells if c["ok"] and c.get("fits")]
         over = next((c for c in cells if not (c["ok"] and c.get("fits"))), None)
         try:
@@ -331,14 +341,19 @@ def run(args: argparse.Namespace, model_config: dict, runner) -> dict:
         part_environment(check)
         if not check.report["environment"].get("ok"):
             raise SystemExit(f"gpu_check: the environment worker failed: {check.report['environment'].get('error')}")
-        sims = {(side, n, 16): check.simulated(side, n) for n in MEMORY_LENGTHS for side in MEMORY_SIDES}
-        sims["patched", FOUR_BIT_LENGTH, 4] = check.simulated("patched", FOUR_BIT_LENGTH, 4)
-        find_max = {side: check.pool.submit(simulated_find_max, check, side) for side in MAX_CONTEXT_SIDES}
-        part_clock(check)
-        part_memory(check, sims)
-        part_speed(check)
-        part_cuda_tier(check)
-        part_max_context(check, find_max)
+        parts = args.gpu_check_parts
+        sims, find_max = {}, {}
+        if "memory" in parts:  # the simulated side of each cell, on CPU workers while the GPU works
+            sims = {(side, n, 16): check.simulated(side, n) for n in MEMORY_LENGTHS for side in MEMORY_SIDES}
+            sims["patched", FOUR_BIT_LENGTH, 4] = check.simulated("patched", FOUR_BIT_LENGTH, 4)
+        if "max_context" in parts:
+            find_max = {side: check.pool.submit(simulated_find_max, check, side) for side in MAX_CONTEXT_SIDES}
+        runs = {"clock": lambda: part_clock(check), "memory": lambda: part_memory(check, sims),
+                "speed": lambda: part_speed(check), "cuda_tier": lambda: part_cuda_tier(check),
+                "max_context": lambda: part_max_context(check, find_max)}
+        for part in PARTS:
+            if part in parts:
+                runs[part]()
     finally:
         check.pool.shutdown(wait=False, cancel_futures=True)
         check.save()
