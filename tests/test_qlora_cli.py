@@ -128,10 +128,14 @@ def test_bpt_losses_equal_stock(tiny, tmp_path, stock_run):
 
 def test_offload_checkpoints_trains_bitwise_as_without(tiny, tmp_path, capsys):
     runs = {}
+    opening = {}
     for flag in ("--no_offload_checkpoints", "--offload_checkpoints"):
         runs[flag] = tmp_path / flag
         run(parse_args(base_argv(tiny, runs[flag], flag, "--lora_dropout", 0)))
+        opening[flag] = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("trainable"))
     assert losses(runs["--offload_checkpoints"]) == losses(runs["--no_offload_checkpoints"])
+    assert opening["--offload_checkpoints"].endswith("; layer checkpoints offloaded to host memory")
+    assert "offloaded" not in opening["--no_offload_checkpoints"]
     assert main(base_argv(tiny, tmp_path / "refused", "--offload_checkpoints", "--no_gradient_checkpointing")) == 2
     assert error_line(capsys).endswith("it needs --bpt and gradient checkpointing (drop --no_gradient_checkpointing "
                                        "/ --no_bpt)")
