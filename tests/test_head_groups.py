@@ -117,3 +117,27 @@ def test_patched_model_with_grouped_backward_is_stock(checkpointing, monkeypatch
     assert calls and set(calls) == {kv_heads}, calls
     torch.testing.assert_close(patched_loss, stock_loss)
     assert_grads_close(patched_grads, stock_grads)
+
+
+@pytest.mark.parametrize("heads,groups", [((8, 4), 4), ((4, 1), 4)])
+def test_grouped_backward_holds_one_group_at_a_time(heads, groups):
+    """Inside the grouped backward: the gradients it returns and one group's parts (its dq, dk, dv and logsumexp
+    slice), never two groups' at once (counted by the tracker on real CPU tensors)."""
+    from bpt.gpusim.tracker import AllocationTracker
+
+    (hq, hkv), n, d = heads, 512, 32
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, requires_grad=True) for h in (hq, hkv, hkv))
+    out = blockwise_attention(q, k, v, causal=True, head_groups=lambda: groups)
+    grad = torch.randn_like(out)
+    tracker = AllocationTracker(top=0)
+    tracker.track(grad, *out.grad_fn.saved_tensors)  # q, k, v, out, logsumexp: held before the backward
+    before = tracker.live
+    with tracker:
+        out.backward(grad)
+    returned = (hq + 2 * hkv) * n * d * 4
+    per_group_q, per_group_kv = hq // groups, max(1, hkv // groups)
+    one_group = (per_group_q + 2 * per_group_kv) * n * d * 4 + per_group_q * n * 4
+    summed = 2 * n * d * 4 if groups > hkv else 0  # a key / value head's fp32 dk / dv, summed over its query heads
+    assert tracker.peak - before <= returned + one_group + summed, (tracker.peak - before, returned, one_group, summed)
+
