@@ -13,6 +13,7 @@ import torch
 
 from bpt.bench import gpu_check
 from bpt.bench.cuda_tier import run_cuda_tier
+from bpt.bench.gpu_check_table import format_table
 from bpt.bench.cli import main
 
 ROOT = gpu_check.ROOT
@@ -153,7 +154,7 @@ def test_cuda_tier_keeps_each_failure_with_its_text(tmp_path):
     assert tier["verdicts"] == {"test_ok": "passed", "test_wrong": "failed"}
     assert "arithmetic" in tier["failures"][0]["detail"]
     assert len(tier["not_collected"]) == 1 and "no_such_package_here" in tier["not_collected"][0]
-    assert "test_wrong" in gpu_check.format_table({
+    assert "test_wrong" in format_table({
         "gpu_check": "measured", "model": "m", "lora_r": 16, "parts_done": [], "memory": [], "speed": [],
         "cuda_tier": tier})
 

@@ -35,6 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bpt.bench.cuda_tier import run_cuda_tier
+from bpt.bench.gpu_check_table import format_table
 from bpt.bench.models import PEER, resolve_model_config
 from bpt.bench.simulate import longest_fitting
 from bpt.gpusim.gpus import DEVICES, GIB, RESERVE_BYTES
@@ -361,98 +362,3 @@ def run(args: argparse.Namespace, model_config: dict, runner) -> dict:
     print(format_table(check.report))
     print(f"\nwrote {check.out / 'gpu_check.json'} and {check.out / 'gpu_check.txt'}")
     return check.report
-
-
-def _gib(value) -> str:
-    return "-" if value is None else f"{value / GIB:.2f}"
-
-
-def format_table(report: dict) -> str:
-    """The short text table of a check (every figure labelled measured or simulated)."""
-    what = report["gpu_check"]
-    env = report.get("environment") or {}
-    versions = env.get("versions") or {}
-    lines = [f"GPU check ({what}): {env.get('gpu', '?')}, {_gib(env.get('memory_bytes'))} GiB, driver "
-             f"{env.get('driver')}, CUDA {env.get('torch_cuda')}, "
-             + ", ".join(f"{k} {v}" for k, v in versions.items()),
-             f"model {report['model']} shapes (random weights), LoRA r {report['lora_r']}, bf16 autocast, "
-             f"checkpointing, batch 1; parts done: {', '.join(report['parts_done']) or 'none'} "
-             f"({report.get('seconds', 0):.0f} s)", ""]
-    measured = "measured" if report["gpu_check"] == "measured" else "tracker (simulated)"
-    lines.append(f"memory: peak allocated GiB of one step, {measured} vs simulated")
-    for r in report["memory"]:
-        ratio = f"{r['measured_over_simulated']:.3f}" if r.get("measured_over_simulated") else "-"
-        tail = f"  {r['error']}" if r.get("error") else ""
-        lines.append(f"  {r['side']:15s} {r['bits']:>2d}-bit {r['seq_len']:>7d}  {_gib(r['measured_bytes']):>7s}  "
-                     f"{_gib(r['simulated_bytes']):>7s}  x{ratio}{tail}")
-    lines += ["", "speed: median s/step, tokens/s, peak allocated GiB (1 warm-up, then the median of the timed steps)"]
-    for r in report["speed"]:
-        if r["ok"] and r["seconds_per_step"] is not None:
-            figures = (f"{r['seconds_per_step']:8.3f} s  {r['tokens_per_second']:9.0f} tok/s  "
-                       f"{_gib(r['peak_bytes'])} GiB")
-        elif r["ok"]:
-            figures = "ran on the simulated card: no timing"
-        else:
-            figures = r["error"]
-        lines.append(f"  {r['side']:15s} {r['bits']:>2d}-bit {r['seq_len']:>7d}  {figures}")
-    lines += _clock_lines(report)
-    tier = report.get("cuda_tier")
-    if tier:
-        lines += ["", f"CUDA tier: {tier['passed']} passed, {tier['failed']} failed, {tier['skipped']} skipped, "
-                      f"{tier['errors']} errors" + (f" ({tier['error']})" if tier.get("error") else "")]
-        lines += [f"  not collected: {line}" for line in tier.get("not_collected", [])]
-        for failure in tier.get("failures", []):
-            last = (failure["detail"].strip().splitlines() or [""])[-1]
-            lines.append(f"  FAILED {failure['test']} ({failure['when']}): {last[:200]}")
-    context = report.get("max_context")
-    if context:
-        lines += ["", f"max context ({'measured' if context['measured'] else 'simulated'}; {context['method']}), "
-                      f"usable {_gib(context['usable_bytes'])} GiB"]
-        for side in MAX_CONTEXT_SIDES:
-            if side in context:
-                c = context[side]
-                sim = c["simulated_find_max"]
-                lines.append(f"  {side:15s} longest {c['longest']} (stopped: {c['stopped']}); simulated --find_max "
-                             f"{sim.get('longest', sim.get('error'))}")
-    return "\n".join(lines)
-
-
-def _clock_lines(report: dict) -> list[str]:
-    """The rates and the profiled steps, in short."""
-    lines = []
-    clock = report.get("clock") or {}
-    if clock.get("ok"):
-        tf = {k: f"{v / 1e12:.0f}" for k, v in clock["matmul"].items()}
-        rows = ", ".join(f"{r['rows']}: {r['flops_per_second'] / 1e12:.0f}" for r in clock["matmul_by_rows"])
-        attn = ", ".join(f"{a['seq_len']}: {a['forward_flops_per_second'] / 1e12:.0f} / "
-                         f"{a['forward_backward_flops_per_second'] / 1e12:.0f}" for a in clock["attention"])
-        d = clock["dispatch"]
-        lines += ["", "clock rates (measured): matmul TFLOP/s " + ", ".join(f"{k} {v}" for k, v in tf.items()),
-                  f"  bf16 by rows (x 4096 x 14336) TFLOP/s: {rows}",
-                  f"  copy {clock['copy_bytes_per_second'] / 1e9:.0f} GB/s; launch {d['host_seconds_per_op'] * 1e6:.1f} "
-                  f"us host, {d['seconds_per_op_synced'] * 1e6:.1f} us synced",
-                  f"  SDPA causal GQA TFLOP/s fwd / fwd+bwd: {attn}"]
-        link = clock.get("host_link")
-        if link:
-            lines.append("  host link GB/s: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in link.items()))
-    elif clock:
-        lines += ["", f"clock rates: {clock.get('error')}"]
-    for r in report.get("speed", []):
-        p = r.get("profile")
-        if not p:
-            continue
-        if "error" in p:
-            lines.append(f"  profile {r['side']} {r['seq_len']}: {p['error']}")
-            continue
-        step = r.get("seconds_per_step")
-        kinds = ", ".join(f"{k} {v:.3f} s/{p['kernels_by_kind'].get(k, 0)}" for k, v in
-                          sorted(p["kernel_seconds_by_kind"].items()))
-        busy = f", GPU busy {p['kernel_seconds'] / step:.0%} of the {step:.3f} s step" if step else ""
-        lines.append(f"  profile {r['side']:15s} {r['bits']:>2d}-bit {r['seq_len']:>7d}: {p['kernel_launches']} "
-                     f"kernels, {p['aten_calls']} aten calls; kernel time {p['kernel_seconds']:.3f} s{busy} "
-                     f"({kinds})")
-        waits = [c for c in p.get("runtime_calls", []) if c["host_wait"]]
-        if waits:
-            lines.append("    host waits: " + ", ".join(f"{c['name']} {c['calls']} x {c['seconds'] * 1e3:.1f} ms"
-                                                         for c in waits))
-    return lines
