@@ -21,7 +21,9 @@ its time limit keeps what finished:
 With --simulate CARD every part runs on that simulated card instead (the dry run CI runs): "measured" bytes are
 then the tracker's on fake tensors, timings are absent, and the Liger rows say why they did not run.
 The time budget (--time_budget) is shared out so the later parts keep their turn: a part that would eat into the
-next one's reserve skips its remaining cells with the reason.
+next one's reserve skips its remaining cells with the reason. --gpu_check_parts runs only the parts named (a later
+lease of a card already measured: the CUDA tier and the longest context, say); the text report is
+bpt.bench.gpu_check_table's.
 """
 from __future__ import annotations
 
