@@ -111,13 +111,14 @@ class _HeadGroupedAttention(torch.autograd.Function):
             if per_kv == 1:
                 dk[:, ks].copy_(part_k)
                 dv[:, ks].copy_(part_v)
-            elif group % per_kv == 0:
-                summed = (part_k.float(), part_v.float())
-            else:
-                summed[0].add_(part_k)
-                summed[1].add_(part_v)
-            if per_kv > 1 and group % per_kv == per_kv - 1:
-                dk[:, ks].copy_(summed[0])
-                dv[:, ks].copy_(summed[1])
+            else:  # this key / value head's query heads take per_kv calls: its dk / dv summed over them in fp32
+                if group % per_kv == 0:
+                    summed = (part_k.float(), part_v.float())
+                else:
+                    summed[0].add_(part_k)
+                    summed[1].add_(part_v)
+                if group % per_kv == per_kv - 1:
+                    dk[:, ks].copy_(summed[0])
+                    dv[:, ks].copy_(summed[1])
             del part_q, part_k, part_v  # before the next group's call: one group's parts alive at a time
         return dq, dk, dv, None, None, None

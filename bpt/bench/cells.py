@@ -164,7 +164,7 @@ def profiled_step(model, inputs: dict, real: bool, top: int = 12) -> dict:
         if real:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    kernels = [e for e in prof.events() if _on_gpu(e)]
     by_kind, by_name, count_by_kind = {}, {}, {}
     for e in kernels:
         us = e.time_range.elapsed_us()
@@ -173,8 +173,7 @@ def profiled_step(model, inputs: dict, real: bool, top: int = 12) -> dict:
         count_by_kind[kind] = count_by_kind.get(kind, 0) + 1
         seconds, calls = by_name.get(e.name, (0.0, 0))
         by_name[e.name] = (seconds + us / 1e6, calls + 1)
-    aten = sum(1 for e in prof.events() if e.name.startswith("aten::") and not str(
-        getattr(e, "device_type", "")).endswith("CUDA"))
+    aten = sum(1 for e in prof.events() if e.name.startswith("aten::") and not _on_gpu(e))
     busiest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     model.zero_grad(set_to_none=True)
     return {"profiled_wall_seconds": wall, "kernel_launches": len(kernels), "aten_calls": aten,
@@ -182,6 +181,11 @@ def profiled_step(model, inputs: dict, real: bool, top: int = 12) -> dict:
             "kernels_by_kind": count_by_kind,
             "busiest_kernels": [{"name": name[:160], "seconds": s, "calls": c} for name, (s, c) in busiest],
             "runtime_calls": runtime_calls(prof.events(), top)}
+
+
+def _on_gpu(event) -> bool:
+    """A profiler event that ran on the GPU (a kernel or a copy), not on the host."""
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
 
 
 HOST_WAITS = ("Synchronize", "Malloc", "Free", "HostAlloc", "HostRegister")  # runtime calls that can stall the host
@@ -193,7 +197,7 @@ def runtime_calls(events, top: int) -> list[dict]:
     synchronisation, a cudaMalloc or a pinned allocation), which a kernel count cannot show."""
     by_name: dict[str, list] = {}
     for e in events:
-        if str(getattr(e, "device_type", "")).endswith("CUDA") or not e.name.startswith("cuda"):
+        if _on_gpu(e) or not e.name.startswith("cuda"):
             continue
         calls = by_name.setdefault(e.name, [0, 0.0])
         calls[0] += 1
