@@ -303,3 +303,26 @@ def test_4bit_qlora_matches_stock(tmp_path):
     patched_loss, patched_grads = loss_and_grads(patched, inputs)
     assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
     assert_grads_close(stock_grads, patched_grads)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_projections_in_chunks_match_stock(checkpointing, monkeypatch):
+    """With a chunk budget too small for a whole projection, the attention's LoRA projections (q, v adapted here)
+    run in sequence chunks, recomputed in backward: the loss and LoRA gradients of stock."""
+    import bpt.mlp as mlp
+
+    calls = []
+    original = mlp.chunked_mlp
+    monkeypatch.setattr("patches.apply.chunked_mlp", lambda *a, **k: (calls.append(k["chunk"]), original(*a, **k))[1])
+    stock = lora(tiny_model("llama"))
+    patched = copy.deepcopy(stock)
+    apply_bpt_patch(patched, **SMALL_BLOCKS, chunk_budget=1)
+    if checkpointing:
+        for model in (stock, patched):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inputs = make_batch("unpadded")
+    stock_loss, stock_grads = loss_and_grads(stock, inputs)
+    patched_loss, patched_grads = loss_and_grads(patched, inputs)
+    assert calls and min(calls) < inputs["input_ids"].shape[1]
+    assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
+    assert_grads_close(stock_grads, patched_grads)
