@@ -4,10 +4,10 @@ A fused kernel's backward holds a workspace of its own beside the gradients it r
 fp32 dq accumulator [B, Nq, Hq, D], softmax_d [B, Hq, Nq], and with grouped-query heads dk / dv at the query heads'
 count [B, Nk, Hq, D] before they are summed down (~32 KiB per token for Llama-3.1-8B; under checkpoint offload, the
 largest item at the step's peak). Every head's backward depends on that head alone (and a key / value head's on its
-own query heads), so running the backward for one group of key / value heads (with their query heads) at a time
-gives the same gradients while holding one group's workspace. With a single key / value head (a sequence-parallel
-rank's share of a GQA model) its query heads are split instead: each call sees one query head and the key / value
-head (no GQA expansion), and the key / value gradients are summed over the calls in fp32. The forward is one call
+own query heads), so running the backward for some of the heads at a time gives the same gradients while holding
+one group's workspace. Where the whole does not fit, the split is by query head (`head_groups_for`): each call sees
+one query head and its key / value head (no GQA expansion), and a key / value head's gradients are summed over its
+query heads' calls in fp32. The forward is one call
 over every head, as stock's, and saves what stock's saves (q, k, v, out, logsumexp): no recompute. How many groups
 is asked when backward runs (inside a checkpointed layer's backward, where the step's peak is), so the path itself
 must not depend on what is free: the caller takes it by the inputs' shapes (BPTConfig.attention_head_groups).
@@ -27,13 +27,13 @@ aten = torch.ops.aten
 
 
 def head_groups_for(q_heads: int, kv_heads: int, whole_bytes: int, budget: int) -> int:
-    """1 when the whole workspace fits `budget`; else one key / value head at a time (kv_heads groups) when there
-    are several (where the split is needed the sequence is long, and there a group of one key / value head's query
-    heads still fills the GPU with query tiles; the smallest workspace is what leaves the rest of the step room);
-    with a single key / value head (a sequence-parallel rank's share under GQA), one query head at a time."""
-    if whole_bytes <= budget:
-        return 1
-    return kv_heads if kv_heads > 1 else q_heads
+    """1 when the whole workspace fits `budget`; else one query head at a time (q_heads groups). A call over one
+    query head holds the least: no dk / dv expanded to the query heads, a fp32 dq accumulator of one head, and the
+    copies the kernel makes of that head's output and output gradient (a slice of a [B, N, H, D] tensor's heads is
+    not contiguous); its key / value head's gradients are summed over its query heads in fp32, the arithmetic
+    FlashAttention-2's grouped-query backward does itself (each query head's dk / dv rounded to the inputs' dtype,
+    then summed). Where the split is needed the sequence is long, so one head's query tiles still fill the GPU."""
+    return 1 if whole_bytes <= budget else q_heads
 
 
 def flash_backward_bytes(q: Tensor, k: Tensor) -> int:
@@ -91,7 +91,8 @@ class _HeadGroupedAttention(torch.autograd.Function):
         if hkv % groups and (groups % hkv or hq % groups):
             raise ValueError(f"head_grouped_attention: {groups} groups neither divide the {hkv} key / value heads nor "
                              f"split each one's query heads ({hq} query heads)")
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = torch.empty_like(q), None, None  # dk / dv made at their first write (with a single key /
+        # value head: after the last call, so never beside that call's workspace)
         q_per_group, per_kv = hq // groups, max(1, groups // hkv)  # groups per key / value head
         kv_per_group = max(1, hkv // groups)
         summed = None  # fp32 dk / dv of one key / value head over its query-head groups
@@ -109,16 +110,19 @@ class _HeadGroupedAttention(torch.autograd.Function):
                     *args, cum_q, cum_k, *ctx.lengths, 0.0, ctx.is_causal, seed, offset, scale=ctx.scale)[:3]
             dq[:, qs].copy_(part_q)
             if per_kv == 1:
-                dk[:, ks].copy_(part_k)
-                dv[:, ks].copy_(part_v)
+                done = part_k, part_v
             else:  # this key / value head's query heads take per_kv calls: its dk / dv summed over them in fp32
                 if group % per_kv == 0:
                     summed = (part_k.float(), part_v.float())
                 else:
                     summed[0].add_(part_k)
                     summed[1].add_(part_v)
-                if group % per_kv == per_kv - 1:
-                    dk[:, ks].copy_(summed[0])
-                    dv[:, ks].copy_(summed[1])
+                done = summed if group % per_kv == per_kv - 1 else None
             del part_q, part_k, part_v  # before the next group's call: one group's parts alive at a time
+            if done is not None:
+                if dk is None:
+                    dk, dv = torch.empty_like(k), torch.empty_like(v)
+                dk[:, ks].copy_(done[0])
+                dv[:, ks].copy_(done[1])
+                done = summed = None
         return dq, dk, dv, None, None, None

@@ -170,11 +170,11 @@ def _fp32_gradients(hq: int, hkv: int, n: int, grad):
     return q.grad, k.grad, v.grad
 
 
-@pytest.mark.parametrize("hq,hkv,groups,n", [(32, 8, 2, 16384), (4, 1, 4, 8192)])
+@pytest.mark.parametrize("hq,hkv,groups,n", [(32, 8, 2, 16384), (32, 8, 32, 16384), (4, 1, 4, 8192)])
 def test_head_grouped_flash_backward_no_further_from_fp32_and_holds_less(hq, hkv, groups, n):
     """The fused attention's backward a group of heads at a time (bpt.head_groups): key / value head groups (Llama-3.1
-    -8B's 32 / 8 heads) and, with a single key / value head (a Ulysses rank's share), one query head per call with
-    dk / dv summed in fp32. The forward is one kernel either way (bitwise); FlashAttention-2's backward on CUDA adds
+    -8B's 32 / 8 heads), one query head per call (what a split takes: dk / dv summed in fp32 over a key / value
+    head's query heads), and a single key / value head (a Ulysses rank's share). The forward is one kernel either way (bitwise); FlashAttention-2's backward on CUDA adds
     dq up across key blocks in whatever order its blocks finish (measured on an H100, 2026-11-27: two backwards of
     the same inputs differ by one bf16 step in 160 of 4M dq elements), so the gradients are held against an fp32
     reference: no further from it than one backward over every head. And a smaller peak inside the backward."""

@@ -62,11 +62,12 @@ def test_query_head_groups_give_the_whole_backward_in_fp32(heads, groups):
         assert (a - b).abs().max() <= 1e-6 * a.abs().max(), name
 
 
-@pytest.mark.parametrize("heads", [(8, 1), (4, 1)])
+@pytest.mark.parametrize("heads", [(8, 1), (4, 1), (8, 2), (32, 8)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_one_query_head_at_a_time_is_no_further_from_fp64_in_bf16(heads, seed):
-    """What a Ulysses rank with one key / value head runs (one query head per call): each call's dk / dv rounded
-    once, summed in fp32; no further from the fp64 gradients than one backward over every head (norm of the error)."""
+    """What a split runs (one query head per call; a Ulysses rank's single key / value head among them): each call's
+    dk / dv rounded once, summed in fp32; no further from the fp64 gradients than one backward over every head (norm
+    of the error)."""
     q, k, v, whole, grouped = _grads_split_by_query_heads(torch.bfloat16, *heads, heads[0], seed)
     exact = _attention_and_grads(q.double(), k.double(), v.double(), None)
     for name, a, b, ref in zip(("dk", "dv"), whole[2:], grouped[2:], exact[2:]):
@@ -88,9 +89,9 @@ def test_grouped_path_runs_only_in_training_without_dropout(monkeypatch):
 
 def test_group_count_from_the_budget():
     assert head_groups_for(32, 8, 800, 1000) == 1
-    assert head_groups_for(32, 8, 800, 300) == 8  # over the budget: one key / value head at a time
-    assert head_groups_for(32, 8, 800, 0) == 8
-    assert head_groups_for(4, 1, 800, 300) == 4  # a single key / value head: one query head at a time
+    assert head_groups_for(32, 8, 800, 300) == 32  # over the budget: one query head at a time
+    assert head_groups_for(32, 8, 800, 0) == 32
+    assert head_groups_for(4, 1, 800, 300) == 4
     q, k = torch.zeros(1, 32, 1000, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 1000, 128, dtype=torch.bfloat16)
     # softmax_d + the fp32 dq accumulator + dk / dv at 32 heads (the simulated tracker's formula)
     assert flash_backward_bytes(q, k) == 32 * 1024 * 4 + 1024 * 32 * 128 * 4 + 2 * 1000 * 32 * 128 * 2
@@ -98,7 +99,7 @@ def test_group_count_from_the_budget():
     assert BPTConfig().attention_head_groups(32, 8, 800, CPU) is None  # auto: no budget off CUDA
     assert BPTConfig(chunk_budget=0).attention_head_groups(32, 8, 800, CPU) is None
     assert BPTConfig(chunk_budget=800).attention_head_groups(32, 8, 800, CPU) is None  # fits: stock's SDPA
-    assert BPTConfig(chunk_budget=300).attention_head_groups(32, 8, 800, CPU)() == 8
+    assert BPTConfig(chunk_budget=300).attention_head_groups(32, 8, 800, CPU)() == 32
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -108,18 +109,17 @@ def test_patched_model_with_grouped_backward_is_stock(checkpointing, monkeypatch
     monkeypatch.setattr(head_groups._HeadGroupedAttention, "apply", lambda *a: (calls.append(a[5]()), original(*a))[1])
     stock = tiny_model("llama")
     patched = copy.deepcopy(stock)
-    apply_bpt_patch(patched, **SMALL_BLOCKS, chunk_budget=1)  # nothing spare: one key / value head at a time
+    apply_bpt_patch(patched, **SMALL_BLOCKS, chunk_budget=1)  # nothing spare: one query head at a time
     inputs = make_batch("unpadded")
     stock_loss, stock_grads, patched_loss, patched_grads = (
         value for model in (stock, patched) for value in loss_and_grads(checkpointed(model) if checkpointing else model,
                                                                          inputs))
-    kv_heads = stock.config.num_key_value_heads
-    assert calls and set(calls) == {kv_heads}, calls
+    assert calls and set(calls) == {stock.config.num_attention_heads}, calls
     torch.testing.assert_close(patched_loss, stock_loss)
     assert_grads_close(patched_grads, stock_grads)
 
 
-@pytest.mark.parametrize("heads,groups", [((8, 4), 4), ((4, 1), 4)])
+@pytest.mark.parametrize("heads,groups", [((8, 4), 4), ((8, 4), 8), ((4, 1), 4)])
 def test_grouped_backward_holds_one_group_at_a_time(heads, groups):
     """Inside the grouped backward: the gradients it returns and one group's parts (its dq, dk, dv and logsumexp
     slice), never two groups' at once (counted by the tracker on real CPU tensors)."""
@@ -141,3 +141,24 @@ def test_grouped_backward_holds_one_group_at_a_time(heads, groups):
     summed = 2 * n * d * 4 if groups > hkv else 0  # a key / value head's fp32 dk / dv, summed over its query heads
     assert tracker.peak - before <= returned + one_group + summed, (tracker.peak - before, returned, one_group, summed)
 
+
+
+def test_simulated_workspace_counts_the_kernels_copies_of_head_slices():
+    """aten's flash backward makes the output and its gradient contiguous in [B, N, H, D]: a slice of some heads of
+    such a tensor (a group's, in the grouped backward) is copied inside the op, so the simulation counts it there."""
+    from bpt.gpusim.tracker import allocated_bytes, flash_backward_workspace
+
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    b, h, n, d = 1, 8, 1024, 128
+    bnhd = lambda: torch.empty(b, n, h, d, dtype=torch.bfloat16, device="meta").transpose(1, 2)  # noqa: E731
+    q, k, out, dout = bnhd(), bnhd(), bnhd(), bnhd()
+    laid_out = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731  as the kernel reads it
+
+    def copies(heads):
+        args = lambda o, do: (do, q[:, :heads], k[:, :heads], None, o)  # noqa: E731
+        return flash_backward_workspace(backward, args(out[:, :heads], dout[:, :heads])) - flash_backward_workspace(
+            backward, args(laid_out(out[:, :heads]), laid_out(dout[:, :heads])))
+
+    assert copies(h) == 0  # every head: already [B, N, H, D]
+    assert copies(4) == 2 * allocated_bytes(b * 4 * n * d * 2, out.device)
+    assert copies(1) == 2 * allocated_bytes(b * n * d * 2, out.device)

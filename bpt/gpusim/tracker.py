@@ -147,7 +147,9 @@ def _query_heads(args: list) -> list:
 def flash_backward_workspace(func, args) -> int:
     """Bytes FlashAttention-2's backward allocates inside the op: softmax_d [B, H, Nq_128] fp32 and dq_accum
     [B, Nq_128, H, D_32] fp32 (lengths rounded to 128, head dim to 32), and with grouped-query heads dk / dv
-    at the query heads' count [B, Nk, Hq, D] before they are summed down."""
+    at the query heads' count [B, Nk, Hq, D] before they are summed down; and a copy of the output gradient and
+    of the output wherever they are not contiguous in [B, N, H, D] (aten's `_flash_attention_backward` makes them
+    so: a slice of some of the heads of a [B, N, H, D] tensor is not)."""
     if func is not aten._scaled_dot_product_flash_attention_backward.default:
         return 0
     q, k = args[1], args[2]
@@ -156,6 +158,9 @@ def flash_backward_workspace(func, args) -> int:
     size = allocated_bytes(b * hq * nq_r * 4, q.device) + allocated_bytes(b * nq_r * hq * d_r * 4, q.device)
     if k.shape[1] != hq:
         size += 2 * allocated_bytes(b * k.shape[2] * hq * d * q.element_size(), q.device)
+    for t in (args[0], args[4]):  # dout, out: copied where not contiguous in the kernel's [B, N, H, D] layout
+        if not t.transpose(1, 2).is_contiguous():
+            size += allocated_bytes(t.numel() * t.element_size(), t.device)
     return size
 
 
