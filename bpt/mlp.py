@@ -13,6 +13,11 @@ nothing after the MLP in the layer saves a tensor (Llama-like layers end in a re
 tensor is this input, and the recompute stops before re-running the MLP, whose own backward then
 recomputes each chunk once. Where later ops do save something (e.g. Gemma 2's post-MLP norm), the
 recompute continues through the MLP, as it must. Reentrant checkpointing always recomputes (3 forwards).
+
+An input that is a lean norm's output (bpt.norm.norm_source: the MLP's and the attention projections' inputs in most
+families) is kept as the norm's input instead, which the norm saves anyway, and its chunks are rebuilt in backward by
+the norm's own forward (bitwise its output rows): the normalised [B, N, hidden] tensor is not held from forward to
+backward. Its gradient still flows through the norm's own backward, so the gradients are unchanged.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from bpt.norm import norm_source
 from bpt.recompute import autocast_replayed, autocast_state, check_no_hidden_leaves, isolated_saved_tensors
 
 
@@ -51,12 +57,18 @@ def chunked_mlp(forward: Callable, params: Sequence[torch.Tensor], *inputs: torc
     needs_grad = torch.is_grad_enabled() and (bool(trainable) or any(x.requires_grad for x in inputs))
     if not needs_grad:
         return _run_chunks(forward, inputs, chunk, copy_inputs=False)
-    saved = _SaveInputs.apply(*inputs)
-    if not isinstance(saved, tuple):
-        saved = (saved,)
-    # The save node exists only if some input requires grad; otherwise _ChunkedMLP saves the inputs itself.
-    saver = next((x.grad_fn for x in saved if x.grad_fn is not None), None)
-    return _ChunkedMLP.apply(forward, chunk, len(inputs), saver, *(saved if saver else inputs), *trainable)
+    # what backward rebuilds each input's chunks from: the input, or a lean norm's input and forward
+    sources = [norm_source(x) for x in inputs]
+    sources = [s if s is not None and s[1].shape[:2] == x.shape[:2] else None for x, s in zip(inputs, sources)]
+    kept = [x if s is None else s[1] for x, s in zip(inputs, sources)]
+    rebuild = [None if s is None else s[0] for s in sources]
+    views = _SaveInputs.apply(len(inputs), *inputs, *kept)
+    if not isinstance(views, tuple):
+        views = (views,)
+    # The save node exists only if some input requires grad; otherwise _ChunkedMLP saves the kept tensors itself.
+    saver = next((x.grad_fn for x in views if x.grad_fn is not None), None)
+    return _ChunkedMLP.apply(forward, chunk, len(inputs), saver, rebuild, *(views if saver else inputs),
+                             *([] if saver else kept), *trainable)
 
 
 def _spans(length: int, chunk: int):
@@ -119,42 +131,59 @@ class _RngSnapshot:
 
 
 class _SaveInputs(torch.autograd.Function):
-    """Identity on the chunked MLP's inputs that saves them, so that they are saved (and recomputed by a
-    checkpoint) before the chunked forward runs. Its outputs are views: _run_chunks copies each chunk."""
+    """Identity on the chunked MLP's inputs that saves what their chunks are rebuilt from (`kept`: each input, or
+    a lean norm's input), so that it is saved (and recomputed by a checkpoint) before the chunked forward runs. Its
+    outputs are views: _run_chunks copies each chunk."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        ctx.save_for_backward(*inputs)
+    def forward(ctx, n_inputs, *tensors):
+        inputs, kept = tensors[:n_inputs], tensors[n_inputs:]
+        ctx.save_for_backward(*kept)
+        ctx.n_kept = len(kept)
         return tuple(x.view_as(x) for x in inputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        return grads
+        return (None, *grads, *[None] * ctx.n_kept)
+
+
+def _rows(kept: torch.Tensor, rebuild: Callable | None, start: int, end: int) -> torch.Tensor:
+    """Tokens [start, end) of an input: a slice of the kept tensor, or the norm's forward over its slice."""
+    if rebuild is None:
+        return kept[:, start:end]
+    with torch.no_grad():
+        return rebuild(kept[:, start:end])
 
 
 class _ChunkedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, chunk, n_inputs, saver, *tensors):
-        inputs, params = tensors[:n_inputs], tensors[n_inputs:]
-        ctx.forward, ctx.chunk, ctx.n_inputs, ctx.saver = forward, chunk, n_inputs, saver
+    def forward(ctx, forward, chunk, n_inputs, saver, rebuild, *tensors):
+        inputs = tensors[:n_inputs]
+        kept = () if saver else tensors[n_inputs:2 * n_inputs]
+        params = tensors[n_inputs + len(kept):]
+        ctx.forward, ctx.chunk, ctx.n_inputs, ctx.n_kept, ctx.saver, ctx.rebuild = \
+            forward, chunk, n_inputs, len(kept), saver, rebuild
+        ctx.input_meta = [(x.shape, x.dtype, x.device) for x in inputs]
         ctx.rng = _RngSnapshot(inputs)
         ctx.autocast = autocast_state(inputs)
-        # inputs [B, N, ...] are saved by the `saver` node when there is one. The parameters are the
-        # module's own tensors, alive anyway: kept as plain references, they add no saved tensor after
-        # the chunked forward (which would make a checkpoint's recompute run it again).
-        ctx.save_for_backward(*([] if saver else inputs))
+        # what the inputs [B, N, ...] are rebuilt from is saved by the `saver` node when there is one. The
+        # parameters are the module's own tensors, alive anyway: kept as plain references, they add no saved tensor
+        # after the chunked forward (which would make a checkpoint's recompute run it again).
+        ctx.save_for_backward(*kept)
         ctx.params = params
         return _run_chunks(forward, inputs, chunk, copy_inputs=True)  # [B, N, ...]
 
     @staticmethod
     def backward(ctx, grad_out):
-        inputs, params = (ctx.saver or ctx).saved_tensors, ctx.params
-        wants = ctx.needs_input_grad[4:4 + ctx.n_inputs]
-        input_grads = [torch.empty_like(x) if want else None for x, want in zip(inputs, wants)]  # [B, N, ...]
+        kept, params = (ctx.saver or ctx).saved_tensors, ctx.params
+        wants = ctx.needs_input_grad[5:5 + ctx.n_inputs]
+        input_grads = [torch.empty(shape, dtype=dtype, device=device) if want else None  # [B, N, ...]
+                       for (shape, dtype, device), want in zip(ctx.input_meta, wants)]
         param_grads = [None] * len(params)
         with ctx.rng.replayed(), autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
-            for start, end in _spans(inputs[0].shape[1], ctx.chunk):
-                leaves = [x[:, start:end].detach().requires_grad_(want) for x, want in zip(inputs, wants)]
+            for start, end in _spans(kept[0].shape[1], ctx.chunk):
+                leaves = [_rows(x, rebuild, start, end).detach().requires_grad_(want)
+                          for x, rebuild, want in zip(kept, ctx.rebuild, wants)]
                 # clone: a non-leaf the forward may modify in place, with gradients flowing to the leaf
                 y = ctx.forward(*[leaf.clone() for leaf in leaves])  # [B, n, ...]
                 targets = [leaf for leaf in leaves if leaf.requires_grad] + list(params)
@@ -172,4 +201,4 @@ class _ChunkedMLP(torch.autograd.Function):
                     if param_grads[j] is None:  # our own buffer: g may alias a tensor autograd still holds
                         param_grads[j] = torch.zeros_like(params[j])
                     param_grads[j].add_(g)
-        return (None, None, None, None, *input_grads, *param_grads)
+        return (None, None, None, None, None, *input_grads, *[None] * ctx.n_kept, *param_grads)

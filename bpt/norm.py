@@ -12,6 +12,7 @@ the trailing dims). A norm that mixes rows (GroupNorm over channels x tokens, Ba
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -31,7 +32,8 @@ def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor
         backward (what is free when backward runs, inside a checkpointed layer's backward, is not what was free in
         its forward).
 
-    With grad disabled (inference, torch.compile full-graph) or nothing requiring grad, this is `forward(x)`.
+    With grad disabled (inference, torch.compile full-graph) or nothing requiring grad, this is `forward(x)`. With
+    grad enabled the output carries its input (weakly) for `norm_source`.
     """
     if not callable(rows):
         _check_rows(rows)
@@ -39,10 +41,24 @@ def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor
     if isinstance(norm_dims, bool) or not isinstance(norm_dims, int) or not 1 <= norm_dims <= x.dim():
         raise ValueError(f"lean_norm: norm_dims must be in 1..{x.dim()} for an input of shape {tuple(x.shape)}, "
                          f"got {norm_dims!r}")
-    trainable = [p for p in params if p.requires_grad]
-    if not torch.is_grad_enabled() or not (x.requires_grad or trainable):
+    if not torch.is_grad_enabled():
         return forward(x)
-    return _LeanNorm.apply(forward, rows_now, norm_dims, x, *trainable)
+    trainable = [p for p in params if p.requires_grad]
+    y = _LeanNorm.apply(forward, rows_now, norm_dims, x, *trainable) if x.requires_grad or trainable else forward(x)
+    setattr(y, _SOURCE_ATTR, (forward, weakref.ref(x)))  # weak: never what keeps the input on the device
+    return y
+
+
+_SOURCE_ATTR = "_bpt_lean_norm_source"
+
+
+def norm_source(y: torch.Tensor) -> tuple[Callable, torch.Tensor] | None:
+    """(forward, x) when `y` is a lean norm's output and its input x is alive: `forward(x[rows])` gives those rows of
+    y bitwise (a per-token norm, the norm's own forward as lean_norm runs it). A consumer that keeps y for backward
+    can keep x instead (the norm saves x anyway) and rebuild y's rows when it needs them (bpt.mlp.chunked_mlp)."""
+    source = getattr(y, _SOURCE_ATTR, None)
+    x = None if source is None else source[1]()
+    return None if x is None else (source[0], x)
 
 
 def _check_rows(rows) -> int:

@@ -326,3 +326,30 @@ def test_lora_projections_in_chunks_match_stock(checkpointing, monkeypatch):
     assert calls and min(calls) < inputs["input_ids"].shape[1]
     assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
     assert_grads_close(stock_grads, patched_grads)
+
+
+def test_norm_outputs_feeding_chunked_layers_are_not_held_for_backward():
+    """Where every consumer of a norm's output runs in chunks (the attention's LoRA projections, the MLP), nothing
+    saves that [B, N, hidden] output for backward: the chunks keep the norm's input and rebuild their rows (bpt.mlp);
+    the gradients stay stock's."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    stock = get_peft_model(tiny_model("llama"), config)
+    patched = copy.deepcopy(stock)
+    apply_bpt_patch(patched, **SMALL_BLOCKS, chunk_budget=1)
+    norm_outputs, saved = [], set()
+    for name, module in patched.named_modules():
+        if name.endswith(("input_layernorm", "post_attention_layernorm")):
+            module.register_forward_hook(lambda m, i, out: norm_outputs.append(out))  # alive: no address reused
+    inputs = make_batch("unpadded")
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.add(t.untyped_storage().data_ptr()), t)[1],
+                                                  lambda t: t):
+        patched_loss, patched_grads = loss_and_grads(patched, inputs)
+    assert len(norm_outputs) == 2 * patched.config.num_hidden_layers
+    assert not saved & {out.untyped_storage().data_ptr() for out in norm_outputs}
+    stock_loss, stock_grads = loss_and_grads(stock, inputs)
+    assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
+    assert_grads_close(stock_grads, patched_grads)
