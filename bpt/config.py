@@ -125,8 +125,8 @@ class BPTConfig:
         over every head: None (one backward over every head, stock's SDPA) without a budget (chunk_budget 0, or auto
         off CUDA) or where the workspace fits the largest budget there can be (chunk_budget as set; auto: 1/8 of the
         device), a rule of the shapes alone, so a checkpoint's recompute takes the path its forward took; else a
-        function asked when backward runs: 1 group where the budget then holds the workspace, else one key / value
-        head at a time (one query head at a time with a single one: bpt.head_groups)."""
+        function asked when backward runs: 1 group where the budget then holds the workspace, else one query head at
+        a time (bpt.head_groups)."""
         largest = self.largest_budget(device)
         if not largest or whole_bytes <= largest:
             return None

@@ -282,7 +282,8 @@ def test_lora_matches_stock():
     assert not is_patched(patched)
 
 
-def test_4bit_qlora_matches_stock(tmp_path):
+@pytest.mark.parametrize("chunk_budget", [None, 1])  # 1: the LoRA projections in chunks, the norms' outputs rebuilt
+def test_4bit_qlora_matches_stock(tmp_path, chunk_budget):
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
@@ -297,7 +298,7 @@ def test_4bit_qlora_matches_stock(tmp_path):
         return lora(prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)).train()
 
     stock, patched = load(), load()
-    apply_bpt_patch(patched, **SMALL_BLOCKS)
+    apply_bpt_patch(patched, **SMALL_BLOCKS, **({} if chunk_budget is None else {"chunk_budget": chunk_budget}))
     inputs = make_batch("plain")
     stock_loss, stock_grads = loss_and_grads(stock, inputs)
     patched_loss, patched_grads = loss_and_grads(patched, inputs)
@@ -353,3 +354,37 @@ def test_norm_outputs_feeding_chunked_layers_are_not_held_for_backward():
     stock_loss, stock_grads = loss_and_grads(stock, inputs)
     assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
     assert_grads_close(stock_grads, patched_grads)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("precision", ["fp32", "bf16_autocast", "bf16_weights"])
+def test_rebuilding_norm_outputs_keeps_the_gradients_bitwise(checkpointing, precision, monkeypatch):
+    """Chunked layers fed by a lean norm keep its input and rebuild its rows (bpt.norm.norm_source): the loss and
+    every gradient bitwise those of keeping the norm's output, in fp32 and bf16, checkpointed or not."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = tiny_model("llama")
+    model = get_peft_model(model.to(torch.bfloat16) if precision == "bf16_weights" else model, config)
+    apply_bpt_patch(model, **SMALL_BLOCKS, chunk_budget=1)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inputs = make_batch("unpadded")
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16_autocast"):
+            return loss_and_grads(model, inputs)
+
+    import bpt.mlp as mlp
+
+    found, original = [], mlp.norm_source
+    monkeypatch.setattr("bpt.mlp.norm_source", lambda y: (lambda s: (found.append(s is not None), s)[1])(original(y)))
+    rebuilt_loss, rebuilt = run()
+    # per layer: q, k, v and the MLP fed by a norm (o_proj is not), again in a checkpoint's recompute
+    assert sum(found) == 4 * model.config.num_hidden_layers * (2 if checkpointing else 1)
+    monkeypatch.setattr("bpt.mlp.norm_source", lambda y: None)
+    kept_loss, kept = run()
+    assert torch.equal(rebuilt_loss, kept_loss)
+    assert rebuilt.keys() == kept.keys() and all(torch.equal(rebuilt[n], kept[n]) for n in kept)

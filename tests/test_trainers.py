@@ -44,10 +44,10 @@ def _trainer(model, tmp_path, *, bf16: bool, gradient_checkpointing: bool):
                    compute_metrics=_token_accuracy)
 
 
-def _lora_model(patched: bool):
+def _lora_model(patched: bool, chunk_budget: int | None = None):
     model = get_peft_model(tiny_model("llama"), LoraConfig(task_type="CAUSAL_LM", **LORA))
-    if patched:
-        apply_bpt_patch(model, **SMALL_BLOCKS)
+    if patched:  # chunk_budget 1: the LoRA projections in chunks too, rebuilding the norms' outputs (as on a GPU)
+        apply_bpt_patch(model, **SMALL_BLOCKS, **({} if chunk_budget is None else {"chunk_budget": chunk_budget}))
     return model
 
 
@@ -56,12 +56,13 @@ def _train_losses(trainer) -> list[float]:
     return [row["loss"] for row in trainer.state.log_history if "loss" in row]
 
 
+@pytest.mark.parametrize("chunk_budget", [None, 1])
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
-def test_hf_trainer_fp32_patched_equals_stock(tmp_path, gradient_checkpointing):
+def test_hf_trainer_fp32_patched_equals_stock(tmp_path, gradient_checkpointing, chunk_budget):
     """Train, evaluate (compute_metrics on logits) and predict: patched equals stock."""
     results = {}
     for patched in (False, True):
-        trainer = _trainer(_lora_model(patched), tmp_path / str(patched), bf16=False,
+        trainer = _trainer(_lora_model(patched, chunk_budget), tmp_path / str(patched), bf16=False,
                            gradient_checkpointing=gradient_checkpointing)
         losses = _train_losses(trainer)
         metrics = trainer.evaluate()

@@ -51,7 +51,7 @@ def transformers_sees_real_tensors():
 @contextlib.contextmanager
 def counting_blockwise_calls(paths):
     """Count calls of the attention paths that are not SDPA: the patch's blockwise kernel, torch's varlen one, and
-    torch's flash kernel with its backward in key / value head groups (bpt.head_groups)."""
+    torch's flash kernel with its backward in head groups (bpt.head_groups)."""
     import bpt.attention as attention
 
     inner, varlen = attention._blockwise, attention.varlen_causal
