@@ -45,7 +45,8 @@ def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor
         return forward(x)
     trainable = [p for p in params if p.requires_grad]
     y = _LeanNorm.apply(forward, rows_now, norm_dims, x, *trainable) if x.requires_grad or trainable else forward(x)
-    setattr(y, _SOURCE_ATTR, (forward, weakref.ref(x)))  # weak: never what keeps the input on the device
+    # weak: never what keeps the input on the device; the versions: neither changed in place since
+    setattr(y, _SOURCE_ATTR, (forward, weakref.ref(x), x._version, y._version))
     return y
 
 
@@ -53,12 +54,16 @@ _SOURCE_ATTR = "_bpt_lean_norm_source"
 
 
 def norm_source(y: torch.Tensor) -> tuple[Callable, torch.Tensor] | None:
-    """(forward, x) when `y` is a lean norm's output and its input x is alive: `forward(x[rows])` gives those rows of
-    y bitwise (a per-token norm, the norm's own forward as lean_norm runs it). A consumer that keeps y for backward
-    can keep x instead (the norm saves x anyway) and rebuild y's rows when it needs them (bpt.mlp.chunked_mlp)."""
+    """(forward, x) when `y` is a lean norm's output and its input x is alive, neither changed in place since:
+    `forward(x[rows])` gives those rows of y bitwise (a per-token norm, the norm's own forward as lean_norm runs it).
+    A consumer that keeps y for backward can keep x instead (the norm saves x anyway) and rebuild y's rows when it
+    needs them (bpt.mlp.chunked_mlp; autograd's version check then catches a later in-place change of x)."""
     source = getattr(y, _SOURCE_ATTR, None)
-    x = None if source is None else source[1]()
-    return None if x is None else (source[0], x)
+    if source is None:
+        return None
+    forward, ref, x_version, y_version = source
+    x = ref()
+    return None if x is None or x._version != x_version or y._version != y_version else (forward, x)
 
 
 def _check_rows(rows) -> int:

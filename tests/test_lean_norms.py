@@ -278,3 +278,27 @@ def test_modules_to_save_norm_still_matches_stock():
     assert grads0.keys() == grads1.keys() and any("modules_to_save" in k for k in grads0)
     for key in grads0:
         torch.testing.assert_close(grads1[key], grads0[key], rtol=1e-4, atol=1e-5)
+
+
+def test_norm_source_only_while_output_and_input_are_unchanged():
+    """A lean norm's output names its input while both are as the norm left them: changed in place, or the input
+    gone, and a consumer keeps the output itself (bpt.mlp.chunked_mlp)."""
+    from bpt.norm import lean_norm, norm_source
+
+    norm = torch.nn.RMSNorm(8)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    y = lean_norm(norm.forward, list(norm.parameters()), x, rows=3)
+    forward, source = norm_source(y)
+    assert source is x and torch.equal(forward(x[:, 1:4]), y[:, 1:4])
+    with torch.no_grad():
+        y.mul_(2)
+    assert norm_source(y) is None
+    h = x.detach().clone()
+    z = lean_norm(norm.forward, list(norm.parameters()), h, rows=3)
+    h.add_(1)
+    assert norm_source(z) is None
+    frozen = torch.nn.RMSNorm(8).requires_grad_(False)  # nothing requires grad: the norm saves nothing
+    w = lean_norm(frozen.forward, list(frozen.parameters()), x.detach().clone(), rows=3)
+    assert norm_source(w) is None  # its input died at once
+    with torch.no_grad():
+        assert norm_source(lean_norm(norm.forward, list(norm.parameters()), x, rows=3)) is None  # no grad: untagged
