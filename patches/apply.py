@@ -221,13 +221,20 @@ def _chunked_projection_forward(module, original, config: BPTConfig):
     def forward(x, *args, **kwargs):
         if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 3 or not config.largest_budget(x.device):
             return original(x, *args, **kwargs)
-        per_token = lambda: mlp_bytes_per_token(module, x)  # noqa: E731
-        if config.whole_fits("mlp_chunk", x.shape[1], per_token, x.device):
+        chunk = _mlp_chunk(module, x, config)
+        if chunk is None:
             return original(x)
-        chunk = config.chunk_tokens("mlp_chunk", x.shape[1], per_token, x.device)
         return chunked_mlp(original, list(module.parameters()), x, chunk=chunk)
 
     return forward
+
+
+def _mlp_chunk(module, hidden: torch.Tensor, config: BPTConfig) -> int | None:
+    """Tokens per chunk of `module` over hidden [B, N, H] (the `mlp_chunk` rule); None where the whole sequence fits."""
+    per_token = lambda: mlp_bytes_per_token(module, hidden)  # noqa: E731 (asked only where there is a budget)
+    if config.whole_fits("mlp_chunk", hidden.shape[1], per_token, hidden.device):
+        return None
+    return config.chunk_tokens("mlp_chunk", hidden.shape[1], per_token, hidden.device)
 
 
 def _chunked_mlp_forward(module, original, config: BPTConfig):
@@ -235,10 +242,9 @@ def _chunked_mlp_forward(module, original, config: BPTConfig):
         hidden = inputs[0]  # [B, N, H]
         if hidden.dim() < 3:
             return original(*inputs)
-        per_token = lambda: mlp_bytes_per_token(module, hidden)  # noqa: E731 (asked only where there is a budget)
-        if config.whole_fits("mlp_chunk", hidden.shape[1], per_token, hidden.device):
+        chunk = _mlp_chunk(module, hidden, config)
+        if chunk is None:
             return original(*inputs)
-        chunk = config.chunk_tokens("mlp_chunk", hidden.shape[1], per_token, hidden.device)
         # An MLP that returns a tuple (gpt-oss: (hidden, router_scores)) is chunked on its first output. The
         # rest are per-chunk routing details the decoder layer discards; they come back as None, so a caller
         # that did read them fails loudly instead of getting one chunk's values.
