@@ -1,8 +1,7 @@
 """`python -m train.eval`: task accuracy and perplexity of a model or of a train.qlora run (the command; the
 evaluation itself is train/evaluation/, its body train.evaluation.eval)."""
-import sys
-
 from train.evaluation.eval import main
+from train.recipe.lifecycle import exit_process
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -1,6 +1,6 @@
 """The process around `python -m train.qlora`: SIGINT / SIGTERM (Interrupted, SIGNALS), library log lines
 that are not the user's problem (silence_library_noise, also used by train.eval; quieted), and leaving the command
-line with one line and its exit status (leave, interrupted_message, resume_command)."""
+line with one line and its exit status (leave, interrupted_message, resume_command, exit_process)."""
 from __future__ import annotations
 
 import contextlib
@@ -292,3 +292,18 @@ def close_process_group() -> None:
     can abort the process after a finished run (SIGABRT, "terminate called without an active exception")."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """The command's last act (`python -m train.qlora` / `train.eval`). A process started by a launcher beside others
+    leaves by os._exit once its output is flushed and its process group destroyed: the interpreter's teardown frees
+    tensors and groups that FSDP / DTensor state still references, which now and then aborted a finished rank
+    (SIGABRT, "terminate called without an active exception", after 'done', even with the group destroyed first).
+    Everything the run writes is closed before this; a single process exits normally."""
+    if launched_world_size() > 1:
+        close_process_group()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
