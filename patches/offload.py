@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from patches.idle_weights import IdleWeights
+
 
 PREFETCH_SHARE = 1 / 32
 
@@ -37,8 +39,9 @@ class CheckpointOffload:
     """Pack / unpack hooks of one forward + backward. `tokens`: B * N; `width`: hidden size. Tensors of at least
     tokens x width elements whose leading dims are the tokens go to the host; everything else stays."""
 
-    def __init__(self, tokens: int, width: int, batch_and_length: tuple[int, int]):
+    def __init__(self, tokens: int, width: int, batch_and_length: tuple[int, int], idle: IdleWeights | None = None):
         self.tokens, self.width, self.batch_and_length = tokens, width, batch_and_length
+        self.idle = idle  # weights away from the device until this backward ends
         self.saved: list[_Saved] = []
         self.stream = None  # CUDA side stream, made on the first real CUDA tensor
         self.device = None
@@ -61,7 +64,14 @@ class CheckpointOffload:
         self.saved.append(_Saved(host, len(self.saved)))
         return self.saved[-1]
 
+    def largest_bytes(self) -> int:
+        """The largest tensor moved to the host (a layer input), in bytes."""
+        return max((p.host.numel() * p.host.element_size() for p in self.saved), default=0)
+
     def unpack(self, packed):
+        if self.idle is not None:  # the backward has begun: the weights come back when it ends
+            self.idle, idle = None, self.idle
+            idle.come_back_after_backward()
         if not isinstance(packed, _Saved):
             return packed
         self._fetch(packed)
@@ -135,9 +145,12 @@ def _embedding_output_not_a_leaf(module, inputs, output):
 
 def offloading_forward(model, original, width: int):
     """`model.forward` that runs `original` under a fresh CheckpointOffload when it trains (grad enabled, train
-    mode); refuses to train without gradient checkpointing (everything would be offloaded, very slowly)."""
+    mode), the frozen embeddings away from the device until its backward ends where the step is long (IdleWeights);
+    refuses to train without gradient checkpointing (everything would be offloaded, very slowly)."""
+    idle = IdleWeights(model)
 
     def forward(*args, **kwargs):
+        idle.come_back()  # a forward with no backward since the last one
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         shape = tuple((ids if ids is not None else embeds).shape[:2]) if (ids is not None or embeds is not None) \
@@ -148,14 +161,16 @@ def offloading_forward(model, original, width: int):
             raise RuntimeError("offload_checkpoints=True moves the layer checkpoints to host memory, and this model "
                                "trains without gradient checkpointing: call model.gradient_checkpointing_enable() "
                                "(train.qlora: drop --no_gradient_checkpointing) or patch without offload_checkpoints")
-        offload = CheckpointOffload(shape[0] * shape[1], width, shape)
+        offload = CheckpointOffload(shape[0] * shape[1], width, shape, idle)
         embedding = model.get_input_embeddings() if checkpointed_without_reentrancy(model) else None
         leaf_cut = embedding.register_forward_hook(_embedding_output_not_a_leaf) if embedding is not None else None
         try:
             with offload.hooks():
-                return original(*args, **kwargs)
+                output = original(*args, **kwargs)
         finally:
             if leaf_cut is not None:
                 leaf_cut.remove()
+        idle.leave(offload.largest_bytes())
+        return output
 
     return forward

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+from train.recipe.lifecycle import exit_process
 from train.run import loop, qlora
 
 STEP = int(sys.argv.pop(1))
@@ -21,4 +22,4 @@ def save_then_crash(accelerator, model, optimizer, scheduler, args, step, *rest)
 
 
 loop.save_checkpoint = save_then_crash
-sys.exit(qlora.main())
+exit_process(qlora.main())

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from train.recipe.lifecycle import exit_process
 from train.run import loop, qlora
 
 RANK, STEP = int(sys.argv.pop(1)), int(sys.argv.pop(1))
@@ -21,4 +22,4 @@ def train_step_then_die(model, group, optimizer, scheduler, accelerator, args, s
 
 
 loop.train_step = train_step_then_die
-sys.exit(qlora.main())
+exit_process(qlora.main())

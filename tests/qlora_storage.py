@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from train.recipe.lifecycle import exit_process
 from train.run import qlora
 
 
@@ -32,4 +33,4 @@ def recording(run, directory: str):
 
 if __name__ == "__main__":
     qlora.run = recording(qlora.run, sys.argv.pop(1))
-    sys.exit(qlora.main())
+    exit_process(qlora.main())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from patches import apply_bpt_patch, offload
+from patches.idle_weights import IdleWeights
 from test_patches import SMALL_BLOCKS, loss_and_grads, lora, make_batch
 from tiny_models import tiny_model
 
@@ -187,12 +188,76 @@ def test_cuda_offload_pins_host_memory_and_lowers_the_peak():
         model = checkpointed(tiny_model("llama", hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
                                         max_position_embeddings=8192)).cuda()
         apply_bpt_patch(model, offload_checkpoints=offloaded)
+        model.requires_grad_(False).model.layers[0].mlp.down_proj.weight.requires_grad_(True)  # embeddings frozen
+        during = []
+        model.model.layers[0].register_full_backward_hook(lambda *_: during.append(model.lm_head.weight))
         torch.cuda.reset_peak_memory_stats()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             results[offloaded] = loss_and_grads(model, inputs)
         peaks[offloaded] = torch.cuda.max_memory_allocated()
+        # with offload the frozen embeddings wait in pinned host memory through the layers' backward, then come back
+        assert [w.is_pinned() for w in during] == [offloaded] and model.lm_head.weight.is_cuda
     assert_bitwise(results[False], results[True])
     assert peaks[True] < peaks[False], peaks
     saved = offload.CheckpointOffload(1, 1, (1, 1))
     packed = saved.pack(torch.ones(1, 1, device="cuda"))
     assert packed.host.is_pinned()
+
+
+class HostStandIn:
+    """IdleWeights on a CPU: a clone stands in for the host copy, and CPU weights count as on a device."""
+
+    def __init__(self, monkeypatch):
+        self.copies = []
+        monkeypatch.setattr(offload, "IdleWeights", lambda model: IdleWeights(model, to_host=self.to_host,
+                                                                              devices=("cpu",)))
+
+    def to_host(self, t):
+        self.copies.append(t.clone())
+        return self.copies[-1]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_frozen_embeddings_wait_on_the_host_through_a_long_backward(monkeypatch, tied):
+    """After a training forward whose layer input is at least their size, the frozen embedding and LM head are swapped
+    for their host copies until the backward ends, then come back on the device (tied ones tied, their host copies
+    reused by the next step); loss and gradients bitwise those of a run without offload."""
+    host = HostStandIn(monkeypatch)
+    model = checkpointed(lora(tiny_model("llama", tie_word_embeddings=tied)))
+    resident = copy.deepcopy(model)
+    apply_bpt_patch(resident, **SMALL_BLOCKS)
+    apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True)
+    inputs = make_batch("plain", length=100)  # 2 x 100 tokens: a layer input of 25.6 KB against 24.8 KB of weights
+    weights = lambda: (model.get_input_embeddings().weight, model.get_output_embeddings().weight)  # noqa: E731
+    before = weights()
+    seen = []
+    first_layer = model.get_base_model().model.layers[0]
+    first_layer.register_full_backward_hook(lambda *_: seen.append(weights()))  # the last layer backward runs
+    for step in range(2):
+        expected = loss_and_grads(resident, inputs)
+        assert_bitwise(expected, loss_and_grads(model, inputs))
+        during, after = seen[-1], weights()
+        assert all(w.data_ptr() == c.data_ptr() for w, c in zip(during, host.copies[-1 if tied else -2:] * 2))
+        assert all(w.device.type == "cpu" and not w.requires_grad for w in after)
+        assert all(w is not d for w, d in zip(after, during))
+        assert (after[0] is after[1]) == tied and (during[0] is during[1]) == tied
+        assert all(torch.equal(w, b) for w, b in zip(after, before))
+    assert len(host.copies) == (1 if tied else 2)  # made once per weight
+
+
+def test_short_steps_and_trained_embeddings_keep_their_weights(monkeypatch):
+    """Where one layer input is smaller than the weights, or the weights are trained, nothing moves."""
+    host = HostStandIn(monkeypatch)
+    model = checkpointed(tiny_model("llama"))
+    apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True)
+    loss_and_grads(model, make_batch("plain", length=100))  # every weight trains: nothing frozen
+    model.requires_grad_(False).model.layers[0].mlp.down_proj.weight.requires_grad_(True)
+    loss_and_grads(model, make_batch("plain", length=45))  # 11.5 KB layer input, 24.8 KB of weights
+    assert host.copies == []
+    loss = model(**make_batch("plain", length=100)).loss  # long enough: away until a backward or the next forward
+    away = model.lm_head.weight
+    assert away.data_ptr() == host.copies[-1].data_ptr()
+    del loss
+    with torch.no_grad():
+        model.eval()(**make_batch("plain"))
+    assert model.lm_head.weight is not away and not model.lm_head.weight.requires_grad
