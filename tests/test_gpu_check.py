@@ -204,16 +204,19 @@ def test_bad_flags_stop_before_any_work(argv, message, capsys):
 
 
 def test_bitsandbytes_model_trains_patched_as_stock():
-    """The GPU check's 4-bit row uses bitsandbytes' own Linear4bit (quantised in place), prepared, LoRA-wrapped by
-    peft's bitsandbytes class and patched as the recipe does: its loss and LoRA gradients equal stock's (CPU
-    kernels here, fp32 compute)."""
+    """The GPU check's 4-bit row uses bitsandbytes' own Linear4bit (quantised in place, bf16 compute as the recipe's),
+    prepared, LoRA-wrapped by peft's bitsandbytes class and patched as the recipe does: its loss and LoRA gradients
+    are no further from the same 4-bit model computing in fp32 than stock's (CPU kernels here; bf16 rounding differs
+    by CPU kind, so a fixed tolerance passed on one and failed on another)."""
     pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 
     from bpt.bench.models import quantise_with_bitsandbytes
     from patches import apply_bpt_patch
     from patches.kbit import prepare_kbit_model
+    from test_mixed_precision import assert_no_worse_than_stock
     from tiny_models import tiny_model
 
     torch.manual_seed(0)
@@ -223,20 +226,30 @@ def test_bitsandbytes_model_trains_patched_as_stock():
     model = prepare_kbit_model(model, use_gradient_checkpointing=False)
     model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     assert isinstance(model.base_model.model.model.layers[0].mlp.down_proj, LoraLinear4bit)
-    ids = torch.randint(0, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(1))
+    quantised = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
 
-    def loss_and_grads():
+    def loss_and_grads(ids, compute_dtype=torch.bfloat16):
+        for layer in quantised:
+            layer.compute_dtype = compute_dtype
         model.zero_grad(set_to_none=True)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
-    stock_loss, stock_grads = loss_and_grads()
-    with apply_bpt_patch(model, q_block=32, kv_block=32, mlp_chunk=32, loss_chunk=32):
-        loss, grads = loss_and_grads()
-    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, stock_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    squared, norms = {"patched": {}, "stock": {}}, {}
+    for seed in range(4):
+        ids = torch.randint(0, model.config.vocab_size, (2, 96), generator=torch.Generator().manual_seed(seed))
+        reference = loss_and_grads(ids, torch.float32)
+        runs = {"stock": loss_and_grads(ids)}
+        with apply_bpt_patch(model, q_block=32, kv_block=32, mlp_chunk=32, loss_chunk=32):
+            runs["patched"] = loss_and_grads(ids)
+        for side, (loss, grads) in runs.items():
+            for name, got, ref in [("loss", loss, reference[0])] + [(n, grads[n], reference[1][n]) for n in grads]:
+                squared[side][name] = squared[side].get(name, 0.0) + (got - ref).pow(2).sum().item()
+                norms[name] = norms.get(name, 0.0) + (ref.pow(2).sum().item() if side == "stock" else 0.0)
+    errors = {name: ((squared["patched"][name] / norms[name]) ** 0.5, (squared["stock"][name] / norms[name]) ** 0.5)
+              for name in norms}
+    assert_no_worse_than_stock(errors, batches=4)
 
 
 def test_liger_side_refused_in_one_line_without_the_package(monkeypatch):
