@@ -11,6 +11,7 @@ model's forward move every such tensor to the host as it is saved, and back in b
   back at once (prefetch one layer ahead): the compute stream waits only on the copy it needs now. A layer input
   over 1/32 of the device is not fetched ahead (`_prefetches`): at that length the copy is ~1% of the layer's work.
 - on CPU (and in the simulation) the copy is a plain one, made when saved and undone when needed.
+- a long step's frozen input embedding and LM head wait on the host through the backward (patches/idle_weights.py).
 transformers' `activation_checkpointing_enable(offload=True)` wraps each layer's checkpoint in torch's `save_on_cpu`:
 copies on the compute stream, no prefetch, and it skips the loss's and final norm's inputs. Values are copied, never
 converted: gradients are bitwise those of the run without offload.
