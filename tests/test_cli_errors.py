@@ -163,7 +163,6 @@ def test_a_worker_exits_0_only_when_its_machines_first_worker_is_leaving_too(tmp
     assert lifecycle._launcher_status(2) == 2  # not torchrun
 
 
-
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_launched_worker_leaves_without_the_interpreters_teardown(world):
     """exit_process: under a launcher (WORLD_SIZE > 1) the exit status and every printed line come out, but nothing of
@@ -175,6 +174,7 @@ def test_a_launched_worker_leaves_without_the_interpreters_teardown(world):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 3 and done.stderr.endswith("line")
     assert done.stdout == ("done" if world > 1 else "doneteardown\n")
+
 
 # Library lines a plain run printed (with the deepspeed package installed, on a machine without a GPU), and the call
 # of ours behind each: accelerate's unwrap_model imports deepspeed, which logs this to stdout; the patched loss

@@ -233,7 +233,7 @@ def test_frozen_embeddings_wait_on_the_host_through_a_long_backward(monkeypatch,
     seen = []
     first_layer = model.get_base_model().model.layers[0]
     first_layer.register_full_backward_hook(lambda *_: seen.append(weights()))  # the last layer backward runs
-    for step in range(2):
+    for _ in range(2):
         expected = loss_and_grads(resident, inputs)
         assert_bitwise(expected, loss_and_grads(model, inputs))
         during, after = seen[-1], weights()
