@@ -243,10 +243,11 @@ def test_bitsandbytes_model_trains_patched_as_stock():
         runs = {"stock": loss_and_grads(ids)}
         with apply_bpt_patch(model, q_block=32, kv_block=32, mlp_chunk=32, loss_chunk=32):
             runs["patched"] = loss_and_grads(ids)
-        for side, (loss, grads) in runs.items():
-            for name, got, ref in [("loss", loss, reference[0])] + [(n, grads[n], reference[1][n]) for n in grads]:
-                squared[side][name] = squared[side].get(name, 0.0) + (got - ref).pow(2).sum().item()
-                norms[name] = norms.get(name, 0.0) + (ref.pow(2).sum().item() if side == "stock" else 0.0)
+        runs = {side: {"loss": loss, **grads} for side, (loss, grads) in runs.items()}
+        for name, ref in {"loss": reference[0], **reference[1]}.items():
+            norms[name] = norms.get(name, 0.0) + ref.pow(2).sum().item()
+            for side, got in runs.items():
+                squared[side][name] = squared[side].get(name, 0.0) + (got[name] - ref).pow(2).sum().item()
     errors = {name: ((squared["patched"][name] / norms[name]) ** 0.5, (squared["stock"][name] / norms[name]) ** 0.5)
               for name in norms}
     assert_no_worse_than_stock(errors, batches=4)
