@@ -18,6 +18,8 @@ converted: gradients are bitwise those of the run without offload.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
@@ -150,6 +152,7 @@ def offloading_forward(model, original, width: int):
     refuses to train without gradient checkpointing (everything would be offloaded, very slowly)."""
     idle = IdleWeights(model)
 
+    @functools.wraps(original)  # its signature: HF Trainer drops the dataset columns a forward does not name
     def forward(*args, **kwargs):
         idle.come_back()  # a forward with no backward since the last one
         ids = kwargs.get("input_ids", args[0] if args else None)

@@ -261,3 +261,33 @@ def test_short_steps_and_trained_embeddings_keep_their_weights(monkeypatch):
     with torch.no_grad():
         model.eval()(**make_batch("plain"))
     assert model.lm_head.weight is not away and not model.lm_head.weight.requires_grad
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16_autocast"])
+def test_hf_trainer_with_the_embeddings_moving_trains_as_without_offload(monkeypatch, tmp_path, bf16):
+    """HF Trainer (LoRA, checkpointing, 3 steps of 2 x 100 tokens, then evaluate): with offload and the frozen embeddings
+    moving every step, the logged losses and the eval loss are those of the run without offload."""
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    host = HostStandIn(monkeypatch)
+    rows = Dataset.from_list([{key: value[0].tolist() for key, value in make_batch("plain", batch=1, length=100,
+                                                                                 seed=seed).items()
+                               if isinstance(value, torch.Tensor)} for seed in range(6)])
+    results = {}
+    for offloaded in (False, True):
+        model = get_peft_model(tiny_model("llama"), LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj",
+                                                                                                      "down_proj"]))
+        apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=offloaded)
+        args = TrainingArguments(output_dir=str(tmp_path / str(offloaded)), use_cpu=True, bf16=bf16,
+                                 gradient_checkpointing=True, gradient_checkpointing_kwargs=CHECKPOINTING[
+                                     "gradient_checkpointing_kwargs"], per_device_train_batch_size=2,
+                                 per_device_eval_batch_size=2, max_steps=3, learning_rate=1e-2, logging_steps=1,
+                                 save_strategy="no", report_to=[], seed=0, data_seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows.select(range(2)))
+        trainer.train()
+        results[offloaded] = ([row["loss"] for row in trainer.state.log_history if "loss" in row],
+                              trainer.evaluate()["eval_loss"])
+    assert len(host.copies) == 2 and len(results[True][0]) == 3  # the weights moved (their host copies made once)
+    assert results[True] == results[False]
