@@ -11,6 +11,8 @@ the same segment-id tensor, so the result is cached on that tensor (by identity)
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
@@ -25,6 +27,13 @@ def varlen_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _takes_grouped_heads() -> bool:
+    """Whether `varlen_attn` takes fewer key / value heads than query heads (`enable_gqa`, torch 2.12 and later)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def documents(segment_ids: Tensor | None, batch: int, length: int, device) -> tuple[Tensor, int] | None:
@@ -56,7 +65,14 @@ def varlen_causal(q: Tensor, k: Tensor, v: Tensor, scale: float, layout: tuple[T
     def flat(t: Tensor) -> Tensor:  # [B, H, N, D] -> [B * N, H, D]
         return t.transpose(1, 2).reshape(b * n, t.shape[1], t.shape[3])
 
+    keys, values = flat(k), flat(v)
+    grouped = {}
+    if hq != k.shape[1]:
+        if _takes_grouped_heads():
+            grouped = {"enable_gqa": True}
+        else:  # torch 2.11: the kernel wants one key / value head per query head
+            keys, values = (t.repeat_interleave(hq // k.shape[1], dim=1) for t in (keys, values))
     window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
-    out = varlen_attn(flat(q), flat(k), flat(v), cu, cu, longest, longest, scale=scale, window_size=window,
-                      enable_gqa=hq != k.shape[1])  # [B * N, Hq, D]
+    out = varlen_attn(flat(q), keys, values, cu, cu, longest, longest, scale=scale, window_size=window,
+                      **grouped)  # [B * N, Hq, D]
     return out.view(b, n, hq, d).transpose(1, 2)

@@ -180,6 +180,20 @@ def test_only_the_parts_asked_for_run(tmp_path):
     assert reserve("speed", ["speed", "max_context"]) == 50 and reserve("max_context", gpu_check.PARTS) == 5
 
 
+def test_a_length_not_run_is_not_reported_as_over_the_card(tmp_path):
+    """Out of time before max_context's first length: nothing fits, and nothing was found too long either."""
+    def runner(spec, timeout=None):
+        if spec["task"] == "environment":
+            return {"ok": True, "gpu": "simulated h100-80gb", "memory_bytes": 80 << 30, "versions": {}}
+        return {"ok": True, "peak_bytes": 1 << 30}
+    main(["--gpu_check", "--simulate", "h100-80gb", "--output", str(tmp_path), "--gpu_check_parts", "max_context",
+          "--time_budget", "1"], runner=runner)  # less than it keeps for writing the report
+    context = json.loads((tmp_path / "gpu_check.json").read_text())["max_context"]
+    for side in gpu_check.MAX_CONTEXT_SIDES:
+        assert context[side]["longest"] is None and context[side]["first_over"] is None, context[side]
+        assert "not run" in context[side]["stopped"]
+
+
 @pytest.mark.parametrize("name, memory, card", [
     ("NVIDIA H100 80GB HBM3", 85017493504, "h100-80gb"), ("NVIDIA H200", 150 << 30, "h200-141gb"),
     ("NVIDIA A100-SXM4-40GB", 40 << 30, "a100-40gb"), ("NVIDIA A100-SXM4-80GB", 80 << 30, "a100-80gb"),

@@ -4,11 +4,14 @@ cu_seqlens, longest document, window_size=(left, 0), GQA): what our wrapper pass
 gradients equal the blockwise path's. The simulated-CUDA tier checks which inputs torch's own predicates route."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.attention.varlen as torch_varlen
 
 import bpt.attention as attention
+import bpt.varlen as varlen
 from bpt.attention import blockwise_attention, segment_ids_from_position_ids
 
 
@@ -37,6 +40,7 @@ def routed(monkeypatch):
     """Force the varlen route on CPU with the stand-in; record what it was called with."""
     calls = []
 
+    @functools.wraps(reference_varlen_attn)  # its signature: the wrapper reads which options torch takes
     def stand_in(*args, **kwargs):
         calls.append((args, kwargs))
         return reference_varlen_attn(*args, **kwargs)
@@ -70,6 +74,21 @@ def test_routed_case_equals_the_blockwise_path(routed, packed, window):
     expected_cu = [0, 15, 35, 40, 80] if packed else [0, 40, 80]
     assert cu_q.tolist() == expected_cu and max_q == 40
     assert options == {"scale": 0.3, "window_size": (-1, 0) if window is None else (window - 1, 0), "enable_gqa": True}
+    assert_equals_blockwise(out, q, k, v, segments, window)
+
+
+def test_a_torch_without_grouped_heads_gets_keys_per_query_head(routed, monkeypatch):
+    """torch 2.11's varlen_attn has no `enable_gqa` and wants as many key / value heads as query heads."""
+    monkeypatch.setattr(varlen, "_takes_grouped_heads", lambda: False)
+    segments = segment_ids_from_position_ids(POSITIONS)
+    q, k, v = qkv()
+    out = blockwise_attention(q, k, v, segment_ids=segments, scale=0.3)
+    (query, key, value, *_), options = routed[0]
+    assert query.shape == key.shape == value.shape == (80, 4, 16) and "enable_gqa" not in options
+    assert_equals_blockwise(out, q, k, v, segments, None)
+
+
+def assert_equals_blockwise(out, q, k, v, segments, window):
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
     expected_out = attention._blockwise(q, k, v, scale=0.3, causal=True, padding_mask=None, segment_ids=segments,
@@ -123,7 +142,7 @@ def test_cuda_packed_bf16_takes_varlen_and_is_no_worse_than_blockwise(monkeypatc
     grad = torch.randn_like(q)
 
     def run(dtype, path):
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]  # fresh leaves for every run
         if path == "blockwise":
             out = attention._blockwise(*leaves, scale=0.125, causal=True, padding_mask=None, segment_ids=segments,
                                        sliding_window=None, alibi_slopes=None, softcap=None, q_block=128,

@@ -171,7 +171,7 @@ class Check:
         result = self.runner(spec, timeout)
         rows = result.get("cells") or result.get("partial", {}).get("cells", [])
         for n in list(seq_lens)[len(rows):]:
-            rows.append({"seq_len": n, "ok": False, "error": result.get("error", "not run")})
+            rows.append({"seq_len": n, "ok": False, "skipped": True, "error": result.get("error", "not run")})
         for row in rows:
             state = "ok" if row["ok"] else f"FAILED: {row['error']}"
             print(f"[gpu_check]   {side:15s} {row['seq_len']:>8d}  {state}", flush=True)
@@ -310,7 +310,7 @@ def part_max_context(check: Check, find_max: dict) -> None:
                         "bytes extended to the depth"}
     for side in MAX_CONTEXT_SIDES:
         if check.left("max_context") <= 0:
-            cells = [{"seq_len": lengths[0], "ok": False, "error": "not run: the check's time budget"}]
+            cells = [{"seq_len": lengths[0], "ok": False, "skipped": True, "error": "not run: the check's time budget"}]
         else:
             # 2 and 3 layers as the simulation: from 1 layer the peak sits in the loss, not in a layer, and 1 -> 2
             # is not the per-layer growth (64K patched: 2.5x the simulation's figure)
