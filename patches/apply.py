@@ -37,6 +37,7 @@ from patches.offload import offloading_forward
 from patches.masks import bpt_mask
 from patches.norms import lean_norm_forward, per_token_norm_dims
 from patches.own_attention import attention_weights_forward, config_view
+from patches import rotary
 
 _HANDLE_ATTR = "_bpt_patch_handle"
 
@@ -195,6 +196,7 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     if patched_attention == 0:  # a hybrid row whose attention attribute is wrong would otherwise patch nothing
         raise UnsupportedModelError(f"no decoder layer of this {hf_model.config.model_type!r} model has attention at "
                                     f"layer.{family.attention}: nothing to patch (is its row in FAMILIES right?)")
+    _patch_rotary(hf_model, family, base, config, handle)
     if family.lean_norms:
         _patch_norms(hf_model, config, handle)
     for module in hf_model.modules():  # present when the patch is applied after get_peft_model, as the recipe does
@@ -266,6 +268,19 @@ def _chunked_mlp_forward(module, original, config: BPTConfig):
         return (out, *extra) if extra else out
 
     return forward
+
+
+def _patch_rotary(hf_model, family: Family, base, config: BPTConfig, handle: BPTPatchHandle):
+    """Long sequences' rotary embeddings a chunk at a time (patches/rotary.py): the modeling module's function is
+    wrapped once per process (a pass-through for every call it does not take), and this model's rotary embedding
+    modules tag their cos so that its calls are taken, until the patch is removed."""
+    attentions = [family.attention_of(layer) for layer in getattr(base, family.layers)]
+    if not any([rotary.install(a) for a in attentions if a is not None]):
+        return
+    for module in hf_model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            hook = module.register_forward_hook(rotary.tag_rotary_outputs(config))
+            handle._undo.append(hook.remove)
 
 
 def _patch_norms(hf_model, config: BPTConfig, handle: BPTPatchHandle):
