@@ -9,6 +9,7 @@ from transformers.models.llama import modeling_llama
 
 from bpt.config import BPTConfig
 from patches import apply_bpt_patch, rotary
+from test_offload import deterministic_kernels
 from test_patches import SMALL_BLOCKS, loss_and_grads, make_batch
 from tiny_models import TINY_CONFIGS, tiny_model
 
@@ -113,3 +114,24 @@ def test_the_whole_sequence_in_one_piece_when_it_fits(chunked_calls):
     apply_bpt_patch(model, **{**SMALL_BLOCKS, "norm_chunk": 64})  # 45 tokens: within one norm chunk
     model(**make_batch("plain")).loss.backward()
     assert chunked_calls == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (run `python -m pytest -m cuda` on a GPU machine)")
+def test_cuda_chunks_under_a_small_budget_bitwise(chunked_calls, monkeypatch):
+    """On a GPU, with a chunk budget too small for the whole sequence's rotary temporaries: chunked, bitwise the
+    whole call under bf16 autocast with checkpointing."""
+    model = tiny_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=4096).cuda()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    apply_bpt_patch(model, chunk_budget=1 << 20, norm_chunk=256)  # 2048 tokens x 6 KiB: over 1 MiB
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_batch("plain", length=2048).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16), deterministic_kernels():  # flash's dq: see test_offload
+        chunked = loss_and_grads(model, inputs)
+        with monkeypatch.context() as m:
+            whole_sequence(m)
+            whole = loss_and_grads(model, inputs)
+    assert chunked_calls and min(chunked_calls) > 1
+    assert_bitwise(whole, chunked)
