@@ -286,6 +286,22 @@ def stated_gpu() -> list[str]:
             f"({tier['passed']} passed;"]
 
 
+def stated_gpu_context() -> list[str]:
+    """The second GPU check: its CUDA tier's count, and the longest-context cells measured beside the simulation."""
+    check = bench("gpu_check-h100-80gb-2")
+    tier, context = check["cuda_tier"], check["max_context"]["patched"]
+    simulated = {r["seq_len"]: r["simulated_bytes"] for r in bench("gpu_check-h100-80gb-2-simulated")["rows"]}
+    rows = [t for t in context["trials"] if t["ok"]]
+    extra = {round((t["peak_bytes"] - simulated[t["seq_len"]]) / MIB) for t in rows}
+    return [f"**CUDA tier: {tier['passed']} of {tier['passed'] + tier['failed']} passed.**",
+            f"every length fitted up to {context['longest']:,}",
+            f"is {'-'.join(map(str, sorted(extra)))} MiB under the card at every length",
+            f"took {gib(rows[-1]['peak_bytes'])} GiB at {rows[-1]['seq_len']:,} tokens measured, "
+            f"{gib(simulated[rows[-1]['seq_len']])} GiB simulated",
+            *(f"| {t['seq_len']:,} | {gib(t['peak_bytes'])} GiB | {gib(simulated[t['seq_len']])} GiB | "
+              f"{t['peak_bytes'] / simulated[t['seq_len']]:.4f} |" for t in rows)]
+
+
 def profiles(seq_len: int) -> dict:
     """The GPU check's profiled 16-bit steps at a length, by side."""
     return {r["side"]: r["profile"] for r in bench("gpu_check-h100-80gb")["speed"]
@@ -399,7 +415,8 @@ def stated() -> list[str]:
     """The figures the pages' sentences quote from docs/bench/, each as the phrase that states it (line breaks
     aside): tests/test_readme_figures.py asserts the README or a docs/ page has every one. The sentences stay the
     pages': a figure that changes is fixed there by hand, as the failing test prints it."""
-    return stated_cpu() + stated_simulated() + stated_gpu() + stated_sequence_parallel() + stated_clock()
+    return (stated_cpu() + stated_simulated() + stated_gpu() + stated_gpu_context() + stated_sequence_parallel()
+            + stated_clock())
 
 
 def stated_clock() -> list[str]:
