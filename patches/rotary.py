@@ -12,8 +12,10 @@ elementwise ops per token: outputs and gradients are bitwise those of the whole-
 Which calls: transformers looks `apply_rotary_pos_emb` up in its modeling module at each call, so the patch wraps
 that module attribute once (`install`); the wrapper passes every call through unchanged unless `cos` came from a
 patched model's rotary embedding module (`tag_rotary_outputs`, per model, undone with the patch), the call has the
-common form (q, k [B, H, N, D], cos, sin [B, N, D]) and the whole sequence is over the norm chunk (`whole_fits`,
-by shapes alone: a checkpoint's recompute takes the path its forward took).
+common form (q, k [B, H, N, D], cos, sin [B, N, D]), there is a chunk budget (CUDA, or `chunk_budget` set: as for
+the attention's LoRA projections, a CPU step keeps the one call; chunked, llama-ref's CPU step took ~3% longer at
+8K) and the whole sequence is over the norm chunk's rule (`whole_fits`, by shapes alone: a checkpoint's recompute
+takes the path its forward took).
 """
 from __future__ import annotations
 
@@ -65,8 +67,8 @@ def lean_rotary(original):
         q, k, cos, sin = args
         tokens = q.shape[2]
         per_token = functools.partial(rotary_bytes_per_token, q, k, cos)
-        if config.whole_fits("norm_chunk", tokens, per_token, q.device):
-            return original(q, k, cos, sin)
+        if not config.largest_budget(q.device) or config.whole_fits("norm_chunk", tokens, per_token, q.device):
+            return original(q, k, cos, sin)  # no chunk budget (a CPU unless set): memory is not what limits
         rows = config.chunk_tokens("norm_chunk", tokens, per_token, q.device)
         return _ChunkedRotary.apply(q, k, cos, sin, original, rows)
 

@@ -13,6 +13,9 @@ from test_offload import deterministic_kernels
 from test_patches import SMALL_BLOCKS, loss_and_grads, make_batch
 from tiny_models import TINY_CONFIGS, tiny_model
 
+# A chunk budget of 1 byte: chunks of norm_chunk's 16 tokens (a CPU has no budget unless one is set).
+CHUNKED = {**SMALL_BLOCKS, "chunk_budget": 1}
+
 
 @pytest.fixture
 def chunked_calls(monkeypatch):
@@ -42,7 +45,7 @@ def assert_bitwise(expected, got):
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_chunked_rotary_is_bitwise_the_whole_call(name, chunked_calls, monkeypatch):
     model = tiny_model(name)
-    apply_bpt_patch(model, **SMALL_BLOCKS)
+    apply_bpt_patch(model, **CHUNKED)
     inputs = make_batch("packed")
     chunked = loss_and_grads(model, inputs)
     taken = len(chunked_calls)
@@ -62,7 +65,7 @@ def test_precisions_and_checkpointing(precision, checkpointing, chunked_calls, m
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    apply_bpt_patch(model, **SMALL_BLOCKS)
+    apply_bpt_patch(model, **CHUNKED)
     inputs = make_batch("plain")
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16_autocast"):
         chunked = loss_and_grads(model, inputs)
@@ -82,7 +85,7 @@ def test_function_outputs_and_gradients_as_the_original(cos_dtype):
     q = torch.randn(2, 45, 4, 8, generator=g, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     k = torch.randn(2, 45, 2, 8, generator=g, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     cos, sin = (torch.randn(1, 45, 8, generator=g).to(cos_dtype) for _ in range(2))
-    rotary._CONFIG_OF[cos] = BPTConfig(**SMALL_BLOCKS)
+    rotary._CONFIG_OF[cos] = BPTConfig(**CHUNKED)
     original = modeling_llama.apply_rotary_pos_emb
     if getattr(original, rotary._WRAPPED, False):  # a patch in this process wrapped it
         original = original.__wrapped__
@@ -97,7 +100,7 @@ def test_function_outputs_and_gradients_as_the_original(cos_dtype):
 
 def test_other_models_and_the_unpatched_model_take_the_original_call(chunked_calls):
     patched, stock = tiny_model("llama"), tiny_model("llama")
-    handle = apply_bpt_patch(patched, **SMALL_BLOCKS)
+    handle = apply_bpt_patch(patched, **CHUNKED)
     inputs = make_batch("plain")
     stock(**inputs).loss.backward()
     assert chunked_calls == []
@@ -109,9 +112,11 @@ def test_other_models_and_the_unpatched_model_take_the_original_call(chunked_cal
     assert chunked_calls == []
 
 
-def test_the_whole_sequence_in_one_piece_when_it_fits(chunked_calls):
+@pytest.mark.parametrize("options", [{**CHUNKED, "norm_chunk": 64}, SMALL_BLOCKS],
+                         ids=["within_one_chunk", "no_chunk_budget"])
+def test_the_whole_call_where_it_fits_or_without_a_budget(options, chunked_calls):
     model = tiny_model("llama")
-    apply_bpt_patch(model, **{**SMALL_BLOCKS, "norm_chunk": 64})  # 45 tokens: within one norm chunk
+    apply_bpt_patch(model, **options)  # 45 tokens within a chunk of 64; or a CPU's budget of 0
     model(**make_batch("plain")).loss.backward()
     assert chunked_calls == []
 
