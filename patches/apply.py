@@ -274,8 +274,8 @@ def _patch_rotary(hf_model, family: Family, base, config: BPTConfig, handle: BPT
     """Long sequences' rotary embeddings a chunk at a time (patches/rotary.py): the modeling module's function is
     wrapped once per process (a pass-through for every call it does not take), and this model's rotary embedding
     modules tag their cos so that its calls are taken, until the patch is removed."""
-    attentions = [family.attention_of(layer) for layer in getattr(base, family.layers)]
-    if not any([rotary.install(a) for a in attentions if a is not None]):
+    classes = {type(family.attention_of(layer)) for layer in getattr(base, family.layers)} - {type(None)}
+    if not any([rotary.install(cls) for cls in classes]):
         return
     for module in hf_model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):

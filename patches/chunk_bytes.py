@@ -48,3 +48,10 @@ def norm_bytes_per_token(features: int) -> int:
 def loss_bytes_per_token(vocab: int | None, hidden: torch.Tensor) -> int | None:
     """Per token of the LM head + cross entropy chunk over `vocab` logits."""
     return vocab * (activation_bytes(hidden) + _LOSS_FLOAT32_COPIES * 4) if vocab else None
+
+
+def rotary_bytes_per_token(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> int:
+    """Per token of a rotary embedding chunk (q, k [B, H, n, D]): q's and k's three temporaries and their results,
+    in the dtype the products promote to."""
+    width = q.shape[1] * q.shape[3] + k.shape[1] * k.shape[3]
+    return 4 * width * torch.promote_types(q.dtype, cos.dtype).itemsize

@@ -26,22 +26,17 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from bpt.config import BPTConfig
+from patches.chunk_bytes import rotary_bytes_per_token
 
 NAME = "apply_rotary_pos_emb"
 _WRAPPED = "_bpt_lean_rotary"
 _CONFIG_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cos made by a patched model -> its BPTConfig
 
 
-def rotary_bytes_per_token(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> int:
-    """A chunk's forward per token: q's and k's three temporaries and their results, in the promoted dtype."""
-    width = q.shape[1] * q.shape[3] + k.shape[1] * k.shape[3]
-    return 4 * width * torch.promote_types(q.dtype, cos.dtype).itemsize
-
-
-def install(attention_module: torch.nn.Module) -> bool:
+def install(attention_class: type) -> bool:
     """Wrap `apply_rotary_pos_emb` in the modeling module of this attention class (once per process; a call the
     wrapper does not take is the original call). False where that module has no such function."""
-    module = sys.modules.get(type(attention_module).__module__)
+    module = sys.modules.get(attention_class.__module__)
     original = getattr(module, NAME, None)
     if original is None or not callable(original):
         return False
