@@ -15,7 +15,8 @@ patched model's rotary embedding module (`tag_rotary_outputs`, per model, undone
 common form (q, k [B, H, N, D], cos, sin [B, N, D]), there is a chunk budget (CUDA, or `chunk_budget` set: as for
 the attention's LoRA projections, a CPU step keeps the one call; chunked, llama-ref's CPU step took ~3% longer at
 8K) and the whole sequence is over the norm chunk's rule (`whole_fits`, by shapes alone: a checkpoint's recompute
-takes the path its forward took).
+takes the path its forward took). Under torch.compile (a fullgraph generate) the tag and the wrapper stand aside:
+dynamo does not trace the weak dictionary, and a compiled graph gets the whole call.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def install(attention_class: type) -> bool:
 def tag_rotary_outputs(config: BPTConfig):
     """A forward hook for a model's rotary embedding module: its cos is taken by the wrapper with `config`."""
     def hook(module, inputs, output):
+        if torch.compiler.is_compiling():  # a compiled model (fullgraph generate) keeps the whole call
+            return
         if isinstance(output, tuple) and len(output) == 2 and isinstance(output[0], torch.Tensor):
             _CONFIG_OF[output[0]] = config
     return hook
@@ -73,7 +76,7 @@ def lean_rotary(original):
 
 def _taken(args, kwargs) -> BPTConfig | None:
     """The config of a call the wrapper chunks, else None: cos tagged, and the (q, k, cos, sin) [B, H, N, D] form."""
-    if len(args) != 4 or any(not isinstance(a, torch.Tensor) for a in args):
+    if torch.compiler.is_compiling() or len(args) != 4 or any(not isinstance(a, torch.Tensor) for a in args):
         return None
     if kwargs.get("unsqueeze_dim", 1) != 1 or kwargs.get("position_ids") is not None or \
             set(kwargs) - {"unsqueeze_dim", "position_ids"}:
