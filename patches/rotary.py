@@ -83,7 +83,9 @@ def _taken(args, kwargs) -> BPTConfig | None:
         return None
     q, k, cos, sin = args
     config = _CONFIG_OF.get(cos)
-    if config is None or cos.requires_grad or sin.requires_grad or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
+    if config is None or cos.requires_grad or sin.requires_grad:
+        return None
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         return None
     tokens = q.shape[2]
     if k.shape[2] != tokens or cos.shape[1] != tokens or cos.shape[0] not in (1, q.shape[0]):
@@ -97,7 +99,7 @@ class _ChunkedRotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, original, rows):
         ctx.original, ctx.rows = original, rows
-        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k)]
+        ctx.inputs, ctx.device = [(t.shape, t.dtype) for t in (q, k)], q.device  # what the gradients are
         ctx.save_for_backward(cos, sin)
         outs = None
         for start in range(0, q.shape[2], rows):
@@ -112,15 +114,14 @@ class _ChunkedRotary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
-        (q_shape, q_dtype, device), (k_shape, k_dtype, _) = ctx.inputs
-        grads = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in
-                 ((q_shape, q_dtype), (k_shape, k_dtype))]
-        for start in range(0, q_shape[2], ctx.rows):
+        device, tokens = ctx.device, ctx.inputs[0][0][2]
+        grads = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in ctx.inputs]
+        for start in range(0, tokens, ctx.rows):
             piece = slice(start, start + ctx.rows)
-            n = min(start + ctx.rows, q_shape[2]) - start
+            n = min(start + ctx.rows, tokens) - start
             with torch.enable_grad(), torch.autocast(device.type, enabled=False):
                 zeros = [torch.zeros(*shape[:2], n, shape[3], dtype=dtype, device=device, requires_grad=True)
-                         for shape, dtype in ((q_shape, q_dtype), (k_shape, k_dtype))]
+                         for shape, dtype in ctx.inputs]
                 outs = ctx.original(*zeros, cos[:, piece], sin[:, piece])
                 pieces = torch.autograd.grad(outs, zeros, (grad_q[:, :, piece], grad_k[:, :, piece]))
             for whole, part in zip(grads, pieces):

@@ -185,7 +185,8 @@ def test_bad_option_is_refused():
 def deterministic_kernels():
     """FlashAttention's backward sums dq in an order that varies from run to run (measured on an H100) unless torch's
     deterministic mode is on without warn_only: only then do two runs compare bitwise."""
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     try:
