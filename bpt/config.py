@@ -39,6 +39,10 @@ class BPTConfig:
     offload_checkpoints: in training, keep the whole-sequence activations saved between forward and backward (the
         layer checkpoints, the final norm's and the loss's input) in host memory (patches/offload.py); needs
         gradient checkpointing.
+    checkpoint_stride: in training, keep one decoder layer's checkpointed input in every `checkpoint_stride` and
+        remake the others from the one kept before them when the backward needs them (patches/checkpoint_stride.py):
+        the checkpoints' device memory divided by the stride, for (stride - 1) / 2 more layer forwards per layer.
+        1 keeps every one (stock's checkpointing); needs gradient checkpointing, not with offload_checkpoints.
     """
 
     q_block: int = 1024
@@ -50,6 +54,7 @@ class BPTConfig:
     compile: bool | None = None
     eval_logits: bool = True
     offload_checkpoints: bool = False
+    checkpoint_stride: int = 1
 
     def __post_init__(self):
         for field in ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "norm_chunk"):
@@ -64,6 +69,13 @@ class BPTConfig:
         for field in ("eval_logits", "offload_checkpoints"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"BPT option {field} must be True or False, got {getattr(self, field)!r}")
+        stride = self.checkpoint_stride
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"BPT option checkpoint_stride must be an integer >= 1 (1: every layer checkpoint "
+                             f"kept), got {stride!r}")
+        if stride > 1 and self.offload_checkpoints:
+            raise ValueError("BPT options checkpoint_stride > 1 and offload_checkpoints=True both lower the "
+                             "checkpoints' device memory: choose one")
 
     @classmethod
     def from_options(cls, **options) -> "BPTConfig":

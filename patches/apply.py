@@ -33,6 +33,7 @@ from patches.chunk_bytes import mlp_bytes_per_token
 from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
 from patches.lm_head import causal_lm_forward
 from patches.lora_inputs import input_cast_skipping_round_trips, is_lora_layer
+from patches.checkpoint_stride import strided_forward
 from patches.offload import offloading_forward
 from patches.masks import bpt_mask
 from patches.norms import lean_norm_forward, per_token_norm_dims
@@ -135,7 +136,8 @@ def apply_bpt_patch(model=None, **options) -> BPTPatchHandle:
     model, every supported causal LM loaded afterwards through `from_pretrained` / `from_config`.
 
     Options: q_block, kv_block, mlp_chunk, loss_chunk, norm_chunk (tokens), compile (None = auto),
-    offload_checkpoints (layer checkpoints in host memory; needs gradient checkpointing). With labels
+    offload_checkpoints (layer checkpoints in host memory; needs gradient checkpointing), checkpoint_stride (one
+    layer checkpoint kept in that many, the others remade in backward). With labels
     the patched model returns the loss and `logits=None`: full logits are never materialised.
 
     Calling it again on the same target returns the same handle (re-patched if the options differ);
@@ -212,6 +214,8 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     if config.offload_checkpoints:
         text_config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
         handle.set(hf_model, "forward", offloading_forward(hf_model, hf_model.forward, text_config.hidden_size))
+    if config.checkpoint_stride > 1:
+        handle.set(hf_model, "forward", strided_forward(hf_model, hf_model.forward, config.checkpoint_stride))
     handle.set(hf_model, _HANDLE_ATTR, handle)  # last: is_patched is True only for a complete patch
 
 

@@ -302,6 +302,21 @@ def stated_gpu_context() -> list[str]:
               f"{t['peak_bytes'] / simulated[t['seq_len']]:.4f} |" for t in rows)]
 
 
+def stated_stride() -> list[str]:
+    """--checkpoint_stride 2 without offload (`llama-3.1-8b-qlora-stride2-h100.json`) beside every checkpoint kept (the
+    speed table's rows, and the QLoRA sweep's --find_max)."""
+    strided, every = by_side("llama-3.1-8b-qlora-stride2-h100"), by_side("clock-llama-3.1-8b-qlora-h100-lengths")
+    longest = bench("llama-3.1-8b-qlora-stride2-h100")["find_max"]["patched"]["max_context_tokens"]
+    kept = bench("llama-3.1-8b-qlora-h100")["find_max"]["patched"]["max_context_tokens"]
+    half, whole, long = strided["patched", 131072], every["patched", 131072], strided["patched", 262144]
+    return [f"{longest:,} tokens fit (simulated; 262,144 take {gib(long['peak_bytes'])} GiB), at "
+            f"{half['step_seconds'] / whole['step_seconds']:.2f}x the step time at 131,072 tokens",
+            f"| 131,072 | {gib(whole['peak_bytes'])} GiB, {whole['step_seconds']:.1f} s | "
+            f"{gib(half['peak_bytes'])} GiB, {half['step_seconds']:.1f} s |",
+            f"| 262,144 | does not fit | {gib(long['peak_bytes'])} GiB, {long['step_seconds']:.1f} s |",
+            f"| longest that fits (`--find_max`) | {kept:,} | {longest:,} |"]
+
+
 def profiles(seq_len: int) -> dict:
     """The GPU check's profiled 16-bit steps at a length, by side."""
     return {r["side"]: r["profile"] for r in bench("gpu_check-h100-80gb")["speed"]
@@ -416,7 +431,7 @@ def stated() -> list[str]:
     aside): tests/test_readme_figures.py asserts the README or a docs/ page has every one. The sentences stay the
     pages': a figure that changes is fixed there by hand, as the failing test prints it."""
     return (stated_cpu() + stated_simulated() + stated_gpu() + stated_gpu_context() + stated_sequence_parallel()
-            + stated_clock())
+            + stated_clock() + stated_stride())
 
 
 def stated_clock() -> list[str]:

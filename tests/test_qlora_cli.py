@@ -141,6 +141,23 @@ def test_offload_checkpoints_trains_bitwise_as_without(tiny, tmp_path, capsys):
                                        "/ --no_bpt)")
 
 
+def test_checkpoint_stride_trains_bitwise_as_without(tiny, tmp_path, capsys):
+    """Dropout on (the recipe's default): the remade layer forwards draw the masks the first ones drew."""
+    runs = {stride: tmp_path / f"stride{stride}" for stride in (1, 2)}
+    opening = {}
+    for stride, out in runs.items():
+        run(parse_args(base_argv(tiny, out, "--checkpoint_stride", stride)))
+        opening[stride] = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("trainable"))
+    assert losses(runs[2]) == losses(runs[1])
+    assert opening[2].endswith("; one layer checkpoint in 2 kept, the others remade in backward")
+    assert "remade" not in opening[1]
+    for flags, says in ((("--no_gradient_checkpointing",), "it needs --bpt and gradient checkpointing"),
+                        (("--offload_checkpoints",), "both take the layer checkpoints off the device: choose one"),
+                        (("--fsdp",), "runs on one process or data parallel")):
+        assert main(base_argv(tiny, tmp_path / "refused", "--checkpoint_stride", 2, *flags)) == 2
+        assert says in error_line(capsys)
+
+
 def test_resume_repeats_the_uninterrupted_run(tiny, tmp_path, monkeypatch):
     # Dropout on, so the restored RNG state matters; gradient accumulation, so the data position does.
     argv = lambda out, *extra: base_argv(tiny, out, "--save_steps", 2, "--lora_dropout", 0.1,  # noqa: E731

@@ -80,6 +80,15 @@ def test_the_plan_simulates_this_very_run(tiny, tmp_path):
     assert planned.longest == 128 and planned.first_over is None  # the model's positions
 
 
+def test_the_plan_simulates_the_checkpoint_stride(tiny, tmp_path):
+    """--checkpoint_stride reaches the simulated step: the layer forwards it remakes are in the step's ops."""
+    planned = {stride: print_plan(parse_args(base_argv(tiny, tmp_path / "run", "--plan", "a100-40gb",
+                                                       "--checkpoint_stride", stride)), echo=lambda line: None)
+               for stride in (1, 2)}
+    assert planned[2].spec["bpt"]["checkpoint_stride"] == 2 and planned[2].spec["side"] == "patched"
+    assert planned[2].row["ops"] > planned[1].row["ops"]
+
+
 def test_offload_is_called_unneeded_only_where_the_offloaded_bytes_fit_back():
     """The note's bound: the plan's peak plus every offloaded byte back on the device, against the usable memory;
     nothing without --offload_checkpoints."""
@@ -93,6 +102,25 @@ def test_offload_is_called_unneeded_only_where_the_offloaded_bytes_fit_back():
     assert notes(40, 60, 100) and "at most 100.0 B" not in notes(40, 60, 100)[0]
     assert notes(41, 60, 100) == []
     assert notes(40, 0, 100) == [] and notes(40, 60, 100, offload=False) == []
+
+
+def test_a_run_over_the_card_hears_of_the_checkpoint_stride():
+    """Over the card, patched and every checkpoint kept: the stride's estimate (32 layers: 15 bf16 layer inputs of
+    1 x 1000 tokens x 8 hidden); nothing where it fits, with offload, or with a stride already."""
+    from types import SimpleNamespace
+
+    from train.run.plan import Planned, stride_notes
+
+    def notes(peak, usable=100, **flags):
+        options = dict(bpt=True, gradient_checkpointing=True, offload_checkpoints=False, checkpoint_stride=1,
+                       per_device_train_batch_size=1) | flags
+        planned = Planned("h100-80gb", "", {"model_config": {"hidden_size": 8}},
+                          {"tokens_per_rank": 1000, "depth": 32}, [], peak, usable)
+        return stride_notes(SimpleNamespace(**options), planned)
+    (note,) = notes(101)
+    assert note.startswith("--checkpoint_stride 2 keeps one layer checkpoint in two: about 234.4 KiB less")
+    assert notes(100) == [] and notes(101, offload_checkpoints=True) == [] and notes(101, checkpoint_stride=2) == []
+    assert notes(101, bpt=False) == []
 
 
 def test_a_hub_name_with_a_built_in_shape_plans_offline(tmp_path):

@@ -50,6 +50,21 @@ def test_depth_extrapolation_equals_the_full_depth():
         assert extrapolated[key] == full[key], key
 
 
+@pytest.mark.parametrize("stride", [2, 3])
+def test_depth_extrapolation_with_a_checkpoint_stride_equals_the_full_depth(stride):
+    """With one layer input kept in k the figures are linear in the depth in steps of k: the simulated depth is
+    raised to one whole steps away from the full depth, and the next one is k deeper."""
+    config = resolve_model_config("tiny", 300) | {"num_hidden_layers": 7}
+    bpt = BLOCKS | {"checkpoint_stride": stride}
+    full = run_simulation(_spec(model_config=config, bpt=bpt))
+    extrapolated = run_simulation(_spec(model_config=config, bpt=bpt, layers=1))
+    assert extrapolated["extrapolated"] and (7 - extrapolated["layers"]) % stride == 0
+    for key in ("peak_bytes", "before_bytes", "step_bytes", "weight_bytes", "ops", "flops_by_dtype"):
+        assert extrapolated[key] == full[key], key
+    every = run_simulation(_spec(model_config=config))
+    assert full["ops"] > every["ops"]  # the remade forwards (the memory: the next test)
+
+
 def test_emulated_4bit_layer_stores_what_bitsandbytes_stores():
     """The same quantised bytes as a real bitsandbytes NF4 layer with double quantisation (runs on CPU)."""
     bnb = pytest.importorskip("bitsandbytes")
@@ -206,6 +221,26 @@ def test_offload_side_moves_the_checkpoints_to_host(tmp_path, shim_library):
     embeddings = 2 * 256 * 64 * 2
     assert 0 <= offloaded["host_peak_bytes"] - (layers + 2) * one - embeddings < 1024
     assert offloaded["peak_bytes"] <= resident["peak_bytes"] - (layers - 4) * one - embeddings
+
+
+def test_checkpoint_stride_takes_the_layer_inputs_off_the_device(tmp_path, shim_library):
+    """--checkpoint_stride 2: of 8 bf16 layer inputs and the final norm's, those of layers 1, 3, 5, 7 are remade in
+    backward instead of kept; at the peak (the last layer's backward) the one remade there is alive: three fewer."""
+    layers = 8
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": layers,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 176,
+                                  "vocab_size": 256, "max_position_embeddings": 8192}))
+    runs = {}
+    for stride in (1, 2):
+        report = main(["--simulate", "h100-80gb", "--model", str(config), "--seq_lens", "8192", "--lora", "--lora_r",
+                       "4", "--sides", "patched", "--checkpoint_stride", str(stride),
+                       "--output", str(tmp_path / f"sim{stride}.json")])
+        (runs[stride],) = report["runs"]
+        assert runs[stride]["ok"], runs[stride]
+    one = 8192 * 64 * 2  # tokens x hidden x bf16
+    assert runs[2]["peak_bytes"] <= runs[1]["peak_bytes"] - 3 * one
+    assert runs[2]["step_seconds"] > runs[1]["step_seconds"]  # four layer forwards more, on the clock
 
 
 def test_flops_of_grouped_sdpa_count_the_query_heads():

@@ -31,8 +31,9 @@ import torch
 
 from bpt.bench.rank_share import RankShare
 from bpt.bench.report import package_version
-from bpt.bench.simulate import (build_simulated_model, extrapolated_to_depth, patch, quantiser, step_inputs,
-                                tracked_step, training_step, transformers_sees_real_tensors, unseen_layers_bytes)
+from bpt.bench.simulate import (build_simulated_model, extrapolated_to_depth, extrapolation_steps, patch, quantiser,
+                                step_inputs, tracked_step, training_step, transformers_sees_real_tensors,
+                                unseen_layers_bytes)
 from bpt.gpusim.gpus import device as simulated_device
 
 
@@ -233,14 +234,14 @@ def _cell(models: _Models, spec: dict, seq_len: int, layers: int, real: bool) ->
     return row
 
 
-def _one_length(models: _Models, spec: dict, seq_len: int, depth: int, layers: int, real: bool) -> dict:
+def _one_length(models: _Models, spec: dict, seq_len: int, depth: int, layers: int, period: int, real: bool) -> dict:
     row = {"seq_len": seq_len, "layers": layers, "depth": depth, "extrapolated": layers != depth,
            "quantiser": quantiser(models.sim.torch_device if real else None) if spec["bits"] == 4 else None}
     try:
         step = _cell(models, spec, seq_len, layers, real)
         if layers != depth and "peak_bytes" in step:  # bytes to extend; a timed-only cell is the `layers` step
-            more = _cell(models, spec, seq_len, layers + 1, real)
-            step = {**step, **extrapolated_to_depth(step, more, layers, depth)}
+            more = _cell(models, spec, seq_len, layers + period, real)
+            step = {**step, **extrapolated_to_depth(step, more, layers, depth, period)}
     except Exception as error:  # an out-of-memory (or any) failure is this cell's result; the worker goes on
         models.free()
         text = (str(error).strip().splitlines() or [""])[0][:300]
@@ -261,7 +262,7 @@ def run_cells(spec: dict) -> dict:
     gpu = simulated_device(spec["simulate"])
     real = bool(spec.get("real"))
     depth = spec["model_config"]["num_hidden_layers"]
-    layers = min(spec.get("layers") or depth, depth)
+    layers, period = extrapolation_steps(spec, min(spec.get("layers") or depth, depth), depth)
     cells, last = [], None
     with contextlib.ExitStack() as stack:
         stack.enter_context(transformers_sees_real_tensors())
@@ -275,7 +276,7 @@ def run_cells(spec: dict) -> dict:
                     cells.append({"seq_len": seq_len, "ok": False, "skipped": True,
                                   "error": f"not run: ~{predicted:.0f} s predicted, past the check's time budget"})
                     break
-            row = _one_length(models, spec, seq_len, depth, layers, real)
+            row = _one_length(models, spec, seq_len, depth, layers, period, real)
             cells.append(row)
             with open(spec["result_path"] + ".partial", "w") as f:
                 json.dump({"ok": True, "cells": cells}, f)

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes a chunk (MLP, norm, loss) may hold, taking more tokens than the sizes above where it "
                    "can (default on CUDA: up to 1/8 of the device, a quarter of what is free beyond 1/4; 0 on CPU; "
                    "0: the sizes exactly)")
+    p.add_argument("--checkpoint_stride", type=int, default=1,
+                   help="the patched side keeps one layer checkpoint in this many and remakes the others in backward "
+                   "(default 1: every one; patched+offload keeps none on the device)")
     p.add_argument("--bpt_compile", dest="bpt_compile", action="store_true", default=None,
                    help="torch.compile the per-block functions of the patch (default: only on CUDA)")
     p.add_argument("--no_bpt_compile", dest="bpt_compile", action="store_false",
@@ -233,7 +236,7 @@ def patch_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> BPTCon
     try:
         return BPTConfig(q_block=args.q_block, kv_block=args.kv_block, mlp_chunk=args.mlp_chunk,
                          loss_chunk=args.loss_chunk, norm_chunk=args.norm_chunk, chunk_budget=args.chunk_budget,
-                         compile=args.bpt_compile)
+                         compile=args.bpt_compile, checkpoint_stride=args.checkpoint_stride)
     except ValueError as error:
         p.error(str(error))
 

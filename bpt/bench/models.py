@@ -157,8 +157,16 @@ def build_model(spec: dict, tp_group=None):
     if spec["side"] != "stock":  # the recipe's order (train/parallel/placement.py): LoRA, slices, then the patch
         from patches import apply_bpt_patch
 
-        handle = apply_bpt_patch(model, **{**spec["bpt"], "offload_checkpoints": spec["side"] == "patched+offload"})
+        handle = apply_bpt_patch(model, **patch_options(spec))
     return model, handle
+
+
+def patch_options(spec: dict) -> dict:
+    """apply_bpt_patch's options for the spec's patched side: patched+offload moves the checkpoints to the host, where
+    a checkpoint stride (`patched` only) has nothing left to thin."""
+    offload = spec["side"] == "patched+offload"
+    return {**spec["bpt"], "offload_checkpoints": offload,
+            "checkpoint_stride": 1 if offload else spec["bpt"].get("checkpoint_stride", 1)}
 
 
 def quantise_with_bitsandbytes(model, skip: tuple[str, ...] = ("lm_head",)) -> int:

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from bpt.bench.models import PEER, model_from_config, quantise_with_bitsandbytes
+from bpt.bench.models import PEER, model_from_config, patch_options, quantise_with_bitsandbytes
 from bpt.bench.rank_share import model_tensors, rank_share
 from bpt.gpusim.gpus import device as simulated_device
 
@@ -136,8 +136,7 @@ def patch(model, spec: dict, compile: bool | None):
         return None
     from patches import apply_bpt_patch
 
-    return apply_bpt_patch(model, **{**spec["bpt"], "compile": compile,
-                                     "offload_checkpoints": spec["side"] == "patched+offload"})
+    return apply_bpt_patch(model, **{**patch_options(spec), "compile": compile})
 
 
 def quantiser(device: torch.device | None) -> str:
@@ -256,16 +255,19 @@ def simulate_step(spec: dict, layers: int, real: bool = False) -> dict:
 
 def unseen_layers_bytes(spec: dict, model, layers: int, tokens: int) -> int:
     """What the decoder layers a step of `layers` does not simulate would hold on the device: each its weights and,
-    unless offloaded, its checkpointed input (`tokens` of this rank, all rows, x hidden in the embeddings' dtype)."""
-    unseen = spec["model_config"]["num_hidden_layers"] - layers
+    unless offloaded, its checkpointed input (`tokens` of this rank, all rows, x hidden in the embeddings' dtype): with
+    a checkpoint stride k, the outputs of layers 1..L kept are those of every k-th (patches/checkpoint_stride.py)."""
+    depth = spec["model_config"]["num_hidden_layers"]
+    unseen = depth - layers
     if unseen <= 0 or layers <= 0:
         return 0
     stack = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers)
-    per_layer = sum(p.numel() * p.element_size() for p in stack[0].parameters())
+    unseen_bytes = unseen * sum(p.numel() * p.element_size() for p in stack[0].parameters())
     if spec.get("gradient_checkpointing", True) and spec["side"] != "patched+offload":
         embeddings = model.get_input_embeddings().weight
-        per_layer += tokens * embeddings.shape[1] * embeddings.element_size()
-    return unseen * per_layer
+        stride = patch_options(spec)["checkpoint_stride"] if spec["side"] == "patched" else 1
+        unseen_bytes += (depth // stride - layers // stride) * tokens * embeddings.shape[1] * embeddings.element_size()
+    return unseen_bytes
 
 
 def _ballast(size: int, device: torch.device) -> torch.Tensor | None:
@@ -301,11 +303,12 @@ def run_simulation(spec: dict) -> dict:
     depth = spec["model_config"]["num_hidden_layers"]
     layers = min(spec.get("layers") or depth, depth)
     real = bool(spec.get("real"))
+    layers, period = extrapolation_steps(spec, layers, depth)
     step = simulate_step(spec, layers, real)
     row = {"ok": True, "device": ("real " + spec["simulate"]) if real else simulated_device(spec["simulate"]).label, "layers": layers, "depth": depth,
            "extrapolated": layers != depth, "threads": torch.get_num_threads(), **step}
     if layers != depth:
-        row.update(extrapolated_to_depth(step, simulate_step(spec, layers + 1, real), layers, depth))
+        row.update(extrapolated_to_depth(step, simulate_step(spec, layers + period, real), layers, depth, period))
     tokens = spec["batch_size"] * row["tokens_per_rank"]
     row["peak_gib"] = row["peak_bytes"] / 2**30
     row["bytes_per_token"] = row["step_bytes"] / tokens
@@ -318,18 +321,28 @@ EXTENDED = ("peak_bytes", "before_bytes", "weight_bytes", "host_peak_bytes", "op
             "cuda_before_bytes", "kernel_launches", "clock_ops", "host_syncs", "clock_flops", "sent_bytes")
 
 
-def extrapolated_to_depth(step: dict, more: dict, layers: int, depth: int) -> dict:
-    """The figures of a step with `depth` layers from steps with `layers` and `layers` + 1: peak(L) = a + b L exactly
-    (checkpoints and weights per layer), so every count in EXTENDED and the FLOPs by dtype are extended linearly;
-    the largest holders and attention paths stay those of the `layers` step."""
-    grow = depth - layers
+def extrapolation_steps(spec: dict, layers: int, depth: int) -> tuple[int, int]:
+    """(layers to simulate, period): the figures are linear in the depth in steps of the period, the side's
+    checkpoint stride (one layer input kept per stride layers), so the simulated depth is raised to one the full depth
+    is whole periods away from (the full depth where that is as deep)."""
+    period = patch_options(spec)["checkpoint_stride"] if spec["side"] == "patched" and "bpt" in spec else 1
+    layers += (depth - layers) % period
+    return (depth, 1) if layers + period > depth else (layers, period)
+
+
+def extrapolated_to_depth(step: dict, more: dict, layers: int, depth: int, period: int = 1) -> dict:
+    """The figures of a step with `depth` layers from steps with `layers` and `layers` + `period` (depth - layers a
+    multiple of it): peak(L) = a + b L exactly at period 1 (checkpoints and weights per layer; with a checkpoint stride
+    k, along L in steps of k), so every count in EXTENDED and the FLOPs by dtype are extended linearly; the largest
+    holders and attention paths stay those of the `layers` step."""
+    grow = (depth - layers) // period
     row = {key: step[key] + (more[key] - step[key]) * grow for key in EXTENDED if key in step and key in more}
     row["step_bytes"] = row["peak_bytes"] - row["before_bytes"]
     if "cuda_peak_bytes" in row:
         row["cuda_step_bytes"] = row["cuda_peak_bytes"] - row["cuda_before_bytes"]
     row["flops_by_dtype"] = {dtype: flops + (more["flops_by_dtype"].get(dtype, 0) - flops) * grow
                              for dtype, flops in step["flops_by_dtype"].items()}
-    row["bytes_per_layer"] = more["peak_bytes"] - step["peak_bytes"]
+    row["bytes_per_layer"] = (more["peak_bytes"] - step["peak_bytes"]) // period
     if "timelines" in step:  # the clock: each timeline and each kind of work is a + b L too; the step ends with
         for key in ("time_breakdown", "timelines"):  # the last timeline of the extended ones
             row[key] = {k: v + (more[key][k] - v) * grow for k, v in step[key].items()}

@@ -114,6 +114,10 @@ class BPTArguments:
     offload_checkpoints: bool = flag(False, "Keep the layer checkpoints in host memory (pinned, copied on a side "
                                      "stream, prefetched one layer ahead): device memory then no longer grows with "
                                      "layers x tokens; host memory does. Needs gradient checkpointing.")
+    checkpoint_stride: int = flag(1, "Keep one layer checkpoint in N on the device and run the layers before each "
+                                  "other one forward again when the backward needs it: the checkpoints' memory / N, "
+                                  "for (N - 1) / 2 more layer forwards per layer (2: about 1/8 of a step's time). "
+                                  "Without --offload_checkpoints; one process or data parallel.")
 
 
 @dataclass
@@ -428,6 +432,19 @@ def validate(args: Args) -> None:
         raise UserError(f"--eval_lengths must be positive, got {args.eval_lengths}")
     if args.bpt_compile and not args.bpt:
         raise UserError("--bpt_compile needs --bpt (it compiles the blockwise functions)")
+    if args.checkpoint_stride < 1:
+        raise UserError(f"--checkpoint_stride must be at least 1 (1: every layer checkpoint kept), got "
+                        f"{args.checkpoint_stride}")
+    if args.checkpoint_stride > 1:
+        if not (args.bpt and args.gradient_checkpointing):
+            raise UserError("--checkpoint_stride thins the layer checkpoints: it needs --bpt and gradient "
+                            "checkpointing (drop --no_gradient_checkpointing / --no_bpt)")
+        if args.offload_checkpoints:
+            raise UserError("--checkpoint_stride and --offload_checkpoints both take the layer checkpoints off the "
+                            "device: choose one")
+        if args.fsdp or args.sequence_parallel > 1 or args.tensor_parallel > 1:
+            raise UserError("--checkpoint_stride runs on one process or data parallel: drop it with --fsdp, "
+                            "--sequence_parallel or --tensor_parallel (--offload_checkpoints works with them)")
     if args.offload_checkpoints and not (args.bpt and args.gradient_checkpointing):
         raise UserError("--offload_checkpoints moves the layer checkpoints to host memory: it needs --bpt and "
                         "gradient checkpointing (drop --no_gradient_checkpointing / --no_bpt)")

@@ -175,7 +175,8 @@ def step_spec(args, config, seq_len: int, adapters: tuple, device: str | None = 
         "lora": True, "lora_r": args.lora_r, "lora_targets": adapters[0], "lora_dropout": args.lora_dropout,
         "modules_to_save": adapters[1], "batch_size": args.per_device_train_batch_size,
         "gradient_checkpointing": args.gradient_checkpointing,
-        "bpt": dataclasses.asdict(BPTConfig(**blocks, compile=False, eval_logits=False)),
+        "bpt": dataclasses.asdict(BPTConfig(**blocks, compile=False, eval_logits=False,
+                                            checkpoint_stride=args.checkpoint_stride)),
         "layers": layers if depth > layers else None,
         "packed_documents": 2 if args.packing else 0, "top": 5, "malloc": "mmap", "threads": args.torch_threads,
     }
@@ -303,7 +304,7 @@ def print_plan(args, echo: Callable[[str], None] = print) -> Planned:
     extras = analytic_extras(args, config, row["trainable_params"])
     added = sum(b for _, b in extras)
     result = Planned(gpu.name, source, spec, row, extras, row["peak_bytes"] + added, gpu.usable_bytes, notes=notes)
-    result.notes += offload_notes(args, result)
+    result.notes += offload_notes(args, result) + stride_notes(args, result)
     for line in format_verdict(args, result):
         echo(line)
     sys.stdout.flush()
@@ -333,6 +334,22 @@ def offload_notes(args, p: Planned) -> list[str]:
             "docs/benchmark.md)"]
 
 
+def stride_notes(args, p: Planned) -> list[str]:
+    """Where a patched run that keeps every layer checkpoint on the device is over: what --checkpoint_stride 2 would
+    take off (estimated: one in two of the depth's bf16 layer inputs, less the one remade at the peak), and what
+    it costs; --offload_checkpoints beside it."""
+    if (not args.bpt or not args.gradient_checkpointing or args.offload_checkpoints or args.checkpoint_stride > 1
+            or p.peak_bytes <= p.usable_bytes):
+        return []
+    tokens = args.per_device_train_batch_size * p.row["tokens_per_rank"]
+    saved = (p.row["depth"] // 2 - 1) * tokens * p.spec["model_config"]["hidden_size"] * 2
+    if saved <= 0:
+        return []
+    return [f"--checkpoint_stride 2 keeps one layer checkpoint in two: about {size(saved)} less (estimated; --plan "
+            "with it simulates), for one layer forward more in two (~1/8 more time per step); or "
+            "--offload_checkpoints moves them all to host memory"]
+
+
 # ---------------------------------------------------------------- what it prints
 
 def size(n: int) -> str:
@@ -357,7 +374,8 @@ def format_verdict(args, p: Planned) -> list[str]:
     if args.sequence_parallel > 1:
         tokens += (f" (--max_seq_len {args.max_seq_len} split {args.sequence_parallel} ways, {args.sp_mode}: one "
                    "rank's step over a fake process group, its exchange buffers counted)")
-    depth = (f"{row['layers']} and {row['layers'] + 1} of {row['depth']} layers run, extrapolated"
+    more = row["layers"] + (args.checkpoint_stride if args.bpt and not args.offload_checkpoints else 1)
+    depth = (f"{row['layers']} and {more} of {row['depth']} layers run, extrapolated"
              if row["extrapolated"] else f"all {row['depth']} layers run")
     spare = p.usable_bytes - p.peak_bytes
     verdict = (f"FITS, {size(spare)} to spare" if spare >= 0 else f"DOES NOT FIT, {size(-spare)} over")

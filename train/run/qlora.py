@@ -304,6 +304,8 @@ def run(args: Args) -> RunResult:
               f"{steps} steps on {accelerator.num_processes} process(es)"
               + layout_text(layout, model, cpu_offload=args.fsdp_cpu_offload, zero3=zero3)
               + ("; layer checkpoints offloaded to host memory" if args.offload_checkpoints else "")
+              + (f"; one layer checkpoint in {args.checkpoint_stride} kept, the others remade in backward"
+                 if args.checkpoint_stride > 1 else "")
               + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else ""), file=sys.stderr)
         if warmup_note(args, steps):
             print(warmup_note(args, steps), file=sys.stderr)
