@@ -21,13 +21,13 @@ backward. Its gradient still flows through the norm's own backward, so the gradi
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Sequence
 
 import torch
 
 from bpt.norm import norm_source
-from bpt.recompute import autocast_replayed, autocast_state, check_no_hidden_leaves, isolated_saved_tensors
+from bpt.recompute import (RngSnapshot, autocast_replayed, autocast_state, check_no_hidden_leaves,
+                           isolated_saved_tensors)
 
 
 def chunked_mlp(forward: Callable, params: Sequence[torch.Tensor], *inputs: torch.Tensor,
@@ -102,34 +102,6 @@ def _run_chunks(forward: Callable, inputs: Sequence[torch.Tensor], chunk: int, c
     return out
 
 
-class _RngSnapshot:
-    """CPU RNG state plus that of every accelerator device holding one of `tensors`."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]):
-        self.cpu = torch.get_rng_state()
-        self.devices: dict[str, dict[int, torch.Tensor]] = {}
-        for t in tensors:
-            device = t.device
-            if device.type in ("cpu", "meta") or device.index in self.devices.get(device.type, {}):
-                continue
-            module = torch.get_device_module(device.type)
-            self.devices.setdefault(device.type, {})[device.index] = module.get_rng_state(device.index)
-
-    @contextlib.contextmanager
-    def replayed(self):
-        """Run the body from the captured states, then give the caller back its own RNG streams."""
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=[]))  # CPU
-            for device_type, states in self.devices.items():
-                stack.enter_context(torch.random.fork_rng(devices=list(states), device_type=device_type))
-            torch.set_rng_state(self.cpu)
-            for device_type, states in self.devices.items():
-                module = torch.get_device_module(device_type)
-                for index, state in states.items():
-                    module.set_rng_state(state, index)
-            yield
-
-
 class _SaveInputs(torch.autograd.Function):
     """Identity on the chunked MLP's inputs that saves what their chunks are rebuilt from (`kept`: each input, or
     a lean norm's input), so that it is saved (and recomputed by a checkpoint) before the chunked forward runs. Its
@@ -164,7 +136,7 @@ class _ChunkedMLP(torch.autograd.Function):
         ctx.forward, ctx.chunk, ctx.n_inputs, ctx.n_kept, ctx.saver, ctx.rebuild = \
             forward, chunk, n_inputs, len(kept), saver, rebuild
         ctx.input_meta = [(x.shape, x.dtype, x.device) for x in inputs]
-        ctx.rng = _RngSnapshot(inputs)
+        ctx.rng = RngSnapshot(inputs)
         ctx.autocast = autocast_state(inputs)
         # what the inputs [B, N, ...] are rebuilt from is saved by the `saver` node when there is one. The
         # parameters are the module's own tensors, alive anyway: kept as plain references, they add no saved tensor

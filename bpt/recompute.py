@@ -1,6 +1,7 @@
-"""What every recompute-in-backward op here shares (bpt.mlp's chunked MLP, bpt.norm's lean norm, bpt.loss):
-replaying the forward's autocast state, keeping an inner graph's saved tensors away from the caller's hooks, and
-failing loudly when the recomputed forward used a trainable tensor it was not given."""
+"""What every recompute-in-backward op here shares (bpt.mlp's chunked MLP, bpt.norm's lean norm, bpt.loss,
+patches/checkpoint_stride.py): replaying the forward's RNG streams and autocast state, keeping an inner graph's saved
+tensors away from the caller's hooks, and failing loudly when the recomputed forward used a trainable tensor it was
+not given."""
 from __future__ import annotations
 
 import contextlib
@@ -22,6 +23,34 @@ def autocast_replayed(state: list[tuple[str, bool, torch.dtype]]):
         for device_type, enabled, dtype in state:
             stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled))
         yield
+
+
+class RngSnapshot:
+    """CPU RNG state plus that of every accelerator device holding one of `tensors`."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.cpu = torch.get_rng_state()
+        self.devices: dict[str, dict[int, torch.Tensor]] = {}
+        for t in tensors:
+            device = t.device
+            if device.type in ("cpu", "meta") or device.index in self.devices.get(device.type, {}):
+                continue
+            module = torch.get_device_module(device.type)
+            self.devices.setdefault(device.type, {})[device.index] = module.get_rng_state(device.index)
+
+    @contextlib.contextmanager
+    def replayed(self):
+        """Run the body from the captured states, then give the caller back its own RNG streams."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[]))  # CPU
+            for device_type, states in self.devices.items():
+                stack.enter_context(torch.random.fork_rng(devices=list(states), device_type=device_type))
+            torch.set_rng_state(self.cpu)
+            for device_type, states in self.devices.items():
+                module = torch.get_device_module(device_type)
+                for index, state in states.items():
+                    module.set_rng_state(state, index)
+            yield
 
 
 def isolated_saved_tensors():

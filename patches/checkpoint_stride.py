@@ -20,10 +20,10 @@ import contextlib
 import functools
 
 import torch
-from torch.utils.checkpoint import get_device_states, set_device_states
 from torch.utils.weak import WeakTensorKeyDictionary
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from bpt.recompute import RngSnapshot, autocast_replayed, autocast_state
 from patches.offload import checkpointed_without_reentrancy
 
 
@@ -36,11 +36,7 @@ class _Call:
     def __init__(self, layer, args: tuple, kwargs: dict):
         hidden = args[0]
         self.layer, self.source, self.args, self.kwargs = layer, hidden, args[1:], kwargs
-        # torch's checkpoint's rule: a device's RNG state only where that device's RNG has been set up (a real one)
-        initialized = getattr(getattr(torch, hidden.device.type, None), "_initialized", False)
-        self.rng = (torch.get_rng_state(), *(get_device_states(hidden) if initialized else ([], [])))
-        self.autocast = {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-                         for device in {hidden.device.type, "cpu"}}
+        self.rng, self.autocast = RngSnapshot([hidden]), autocast_state([hidden])
         self.version = None  # the output's version counter when the call returned
         self.saved_as_call = False
 
@@ -50,16 +46,9 @@ class _Call:
 
     def run(self) -> torch.Tensor:
         hidden = self.source.run() if isinstance(self.source, _Call) else self.source
-        cpu_state, devices, states = self.rng
         layer = self.layer
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=devices, device_type=hidden.device.type))
-            torch.set_rng_state(cpu_state)
-            set_device_states(devices, states, device_type=hidden.device.type)
-            for device, (enabled, dtype) in self.autocast.items():
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_drop, _drop))
+        with self.rng.replayed(), autocast_replayed(self.autocast), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(_drop, _drop):  # run as first, keep none of its graph
             checkpointing, layer.gradient_checkpointing = layer.gradient_checkpointing, False  # transformers >=
             try:  # 5.24 checkpoints inside forward
                 output = layer.forward(hidden, *self.args, **self.kwargs)

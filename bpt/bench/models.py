@@ -162,11 +162,15 @@ def build_model(spec: dict, tp_group=None):
 
 
 def patch_options(spec: dict) -> dict:
-    """apply_bpt_patch's options for the spec's patched side: patched+offload moves the checkpoints to the host, where
-    a checkpoint stride (`patched` only) has nothing left to thin."""
-    offload = spec["side"] == "patched+offload"
-    return {**spec["bpt"], "offload_checkpoints": offload,
-            "checkpoint_stride": 1 if offload else spec["bpt"].get("checkpoint_stride", 1)}
+    """apply_bpt_patch's options for the spec's patched side (patched+offload: the checkpoints on the host)."""
+    return {**spec["bpt"], "offload_checkpoints": spec["side"] == "patched+offload",
+            "checkpoint_stride": checkpoint_stride(spec)}
+
+
+def checkpoint_stride(spec: dict) -> int:
+    """One layer checkpoint on the device in how many: the spec's stride on the `patched` side; 1 elsewhere (stock
+    keeps every one; patched+offload moves them all to the host, leaving nothing to thin)."""
+    return spec.get("bpt", {}).get("checkpoint_stride", 1) if spec["side"] == "patched" else 1
 
 
 def quantise_with_bitsandbytes(model, skip: tuple[str, ...] = ("lm_head",)) -> int:

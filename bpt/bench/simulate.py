@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from bpt.bench.models import PEER, model_from_config, patch_options, quantise_with_bitsandbytes
+from bpt.bench.models import PEER, checkpoint_stride, model_from_config, patch_options, quantise_with_bitsandbytes
 from bpt.bench.rank_share import model_tensors, rank_share
 from bpt.gpusim.gpus import device as simulated_device
 
@@ -265,7 +265,7 @@ def unseen_layers_bytes(spec: dict, model, layers: int, tokens: int) -> int:
     unseen_bytes = unseen * sum(p.numel() * p.element_size() for p in stack[0].parameters())
     if spec.get("gradient_checkpointing", True) and spec["side"] != "patched+offload":
         embeddings = model.get_input_embeddings().weight
-        stride = patch_options(spec)["checkpoint_stride"] if spec["side"] == "patched" else 1
+        stride = checkpoint_stride(spec)
         unseen_bytes += (depth // stride - layers // stride) * tokens * embeddings.shape[1] * embeddings.element_size()
     return unseen_bytes
 
@@ -325,7 +325,7 @@ def extrapolation_steps(spec: dict, layers: int, depth: int) -> tuple[int, int]:
     """(layers to simulate, period): the figures are linear in the depth in steps of the period, the side's
     checkpoint stride (one layer input kept per stride layers), so the simulated depth is raised to one the full depth
     is whole periods away from (the full depth where that is as deep)."""
-    period = patch_options(spec)["checkpoint_stride"] if spec["side"] == "patched" and "bpt" in spec else 1
+    period = checkpoint_stride(spec)
     layers += (depth - layers) % period
     return (depth, 1) if layers + period > depth else (layers, period)
 
