@@ -87,6 +87,10 @@ def test_the_plan_simulates_the_checkpoint_stride(tiny, tmp_path):
                for stride in (1, 2)}
     assert planned[2].spec["bpt"]["checkpoint_stride"] == 2 and planned[2].spec["side"] == "patched"
     assert planned[2].row["ops"] > planned[1].row["ops"]
+    run_line = next(line for line in format_verdict(parse_args(base_argv(tiny, tmp_path / "run", "--plan", "a100-40gb",
+                                                                         "--checkpoint_stride", 2)), planned[2])
+                    if line.startswith("  run "))
+    assert ", checkpointing, one layer checkpoint in 2 kept;" in run_line
 
 
 def test_offload_is_called_unneeded_only_where_the_offloaded_bytes_fit_back():

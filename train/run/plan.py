@@ -367,6 +367,7 @@ def format_verdict(args, p: Planned) -> list[str]:
     what += ", BPT patch" if args.bpt else ", no BPT patch"
     what += ", checkpointing" if args.gradient_checkpointing else ", no checkpointing"
     what += " offloaded to host memory" if args.offload_checkpoints else ""
+    what += f", one layer checkpoint in {args.checkpoint_stride} kept" if args.checkpoint_stride > 1 else ""
     rope = p.spec["model_config"].get("rope_parameters") or {}
     if args.rope_scaling and rope.get("rope_type") == args.rope_scaling:
         what += f", RoPE {args.rope_scaling} x{rope['factor']:g}"
