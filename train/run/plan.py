@@ -359,6 +359,7 @@ def size(n: int) -> str:
 
 
 def format_verdict(args, p: Planned) -> list[str]:
+    from bpt.bench.models import checkpoint_stride
     from bpt.gpusim.gpus import RESERVE_BYTES, device
 
     row, gpu = p.row, device(p.device)
@@ -375,7 +376,7 @@ def format_verdict(args, p: Planned) -> list[str]:
     if args.sequence_parallel > 1:
         tokens += (f" (--max_seq_len {args.max_seq_len} split {args.sequence_parallel} ways, {args.sp_mode}: one "
                    "rank's step over a fake process group, its exchange buffers counted)")
-    more = row["layers"] + (args.checkpoint_stride if args.bpt and not args.offload_checkpoints else 1)
+    more = row["layers"] + checkpoint_stride(p.spec)  # the depths simulated.extrapolation_steps took
     depth = (f"{row['layers']} and {more} of {row['depth']} layers run, extrapolated"
              if row["extrapolated"] else f"all {row['depth']} layers run")
     spare = p.usable_bytes - p.peak_bytes
