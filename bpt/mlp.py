@@ -15,9 +15,12 @@ recomputes each chunk once. Where later ops do save something (e.g. Gemma 2's po
 recompute continues through the MLP, as it must. Reentrant checkpointing always recomputes (3 forwards).
 
 An input that is a lean norm's output (bpt.norm.norm_source: the MLP's and the attention projections' inputs in most
-families) is kept as the norm's input instead, which the norm saves anyway, and its chunks are rebuilt in backward by
-the norm's own forward (bitwise its output rows): the normalised [B, N, hidden] tensor is not held from forward to
-backward. Its gradient still flows through the norm's own backward, so the gradients are unchanged.
+families) is kept as the norm's input instead, which the norm saves anyway, and the norm joins each chunk's backward:
+a chunk's rows are rebuilt by the norm's own forward (bitwise its output rows) and its gradient goes through the norm
+to the norm's input (and weights) within the chunk. So neither the normalised [B, N, hidden] tensor is held from
+forward to backward nor is its gradient ever whole: the backward's one whole buffer is the gradient of the norm's
+input (folding the norm in takes one [B, N, hidden] buffer off the layer's backward peak). The forward still uses the
+norm's output as given; the norm's own node gets no gradient from here.
 """
 from __future__ import annotations
 
@@ -25,13 +28,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from bpt import host_copies
 from bpt.norm import norm_source
 from bpt.recompute import (RngSnapshot, autocast_replayed, autocast_state, check_no_hidden_leaves,
                            isolated_saved_tensors)
 
 
 def chunked_mlp(forward: Callable, params: Sequence[torch.Tensor], *inputs: torch.Tensor,
-                chunk: int) -> torch.Tensor:
+                chunk: int, fold_norms: bool = True) -> torch.Tensor:
     """Run `forward(*inputs)` in sequence chunks of `chunk` tokens and return its output [B, N, ...].
 
     forward: the module's original forward (e.g. a bound method of LlamaMLP, MixtralSparseMoeBlock,
@@ -40,6 +44,9 @@ def chunked_mlp(forward: Callable, params: Sequence[torch.Tensor], *inputs: torc
         are skipped, LoRA adapters included). A trainable tensor forward uses but that is missing here
         raises in backward (it would otherwise silently get no gradient).
     inputs: tensors [B, N, ...], all chunked along dim 1.
+    fold_norms: take the backward of a lean norm feeding an input into each chunk's (the norm's only consumer, as
+        the MLP is). False where the norm feeds several consumers (q, k and v): the gradient then goes to the norm's
+        output, and the norm's own backward runs once over their sum, as stock's does.
 
     With grad enabled and something requiring grad, a custom autograd Function saves only the inputs
     and recomputes each chunk in backward; otherwise the chunks are run and concatenated.
@@ -53,22 +60,33 @@ def chunked_mlp(forward: Callable, params: Sequence[torch.Tensor], *inputs: torc
         if x.dim() < 2 or x.shape[1] != seq_len:
             raise ValueError(f"chunked_mlp: every input must be [B, N, ...] with the same N={seq_len}, "
                              f"got shape {tuple(x.shape)}")
-    trainable = [p for p in params if p.requires_grad]
-    needs_grad = torch.is_grad_enabled() and (bool(trainable) or any(x.requires_grad for x in inputs))
+    # what backward rebuilds each input's chunks from: the input itself, or a lean norm's input and forward
+    sources = [norm_source(x) for x in inputs]
+    sources = [s if s is not None and s[2].shape[:2] == x.shape[:2] else None for x, s in zip(inputs, sources)]
+    norms = [None if s is None else s[0] for s in sources]
+    kept = [x if s is None else s[2] for x, s in zip(inputs, sources)]
+    # where each input's gradient goes: its kept tensor (itself, or a folded norm's input), else the input
+    to_kept = [s is None or fold_norms for s in sources]
+    folded = [p for s, k in zip(sources, to_kept) if s is not None and k for p in s[1]]
+    trainable = _unique([p for p in params if p.requires_grad] + folded)
+    needs_grad = torch.is_grad_enabled() and (bool(trainable) or any(
+        (k if kk else x).requires_grad for x, k, kk in zip(inputs, kept, to_kept)))
     if not needs_grad:
         return _run_chunks(forward, inputs, chunk, copy_inputs=False)
-    # what backward rebuilds each input's chunks from: the input, or a lean norm's input and forward
-    sources = [norm_source(x) for x in inputs]
-    sources = [s if s is not None and s[1].shape[:2] == x.shape[:2] else None for x, s in zip(inputs, sources)]
-    kept = [x if s is None else s[1] for x, s in zip(inputs, sources)]
-    rebuild = [None if s is None else s[0] for s in sources]
-    views = _SaveInputs.apply(len(inputs), *inputs, *kept)
+    views = _SaveInputs.apply(*kept)
     if not isinstance(views, tuple):
         views = (views,)
-    # The save node exists only if some input requires grad; otherwise _ChunkedMLP saves the kept tensors itself.
+    # The save node exists only if some kept tensor requires grad; otherwise _ChunkedMLP saves them itself. An input
+    # whose gradient goes to its kept tensor goes in detached: the forward reads its values only.
     saver = next((x.grad_fn for x in views if x.grad_fn is not None), None)
-    return _ChunkedMLP.apply(forward, chunk, len(inputs), saver, rebuild, *(views if saver else inputs),
-                             *([] if saver else kept), *trainable)
+    inputs = [x.detach() if k else x for x, k in zip(inputs, to_kept)]
+    return _ChunkedMLP.apply(forward, chunk, saver, norms, to_kept, *inputs, *(views if saver else kept), *trainable)
+
+
+def _unique(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` without repeats (a norm's weight that the module also lists), by identity, in order."""
+    seen: set[int] = set()
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]
 
 
 def _spans(length: int, chunk: int):
@@ -103,74 +121,84 @@ def _run_chunks(forward: Callable, inputs: Sequence[torch.Tensor], chunk: int, c
 
 
 class _SaveInputs(torch.autograd.Function):
-    """Identity on the chunked MLP's inputs that saves what their chunks are rebuilt from (`kept`: each input, or
-    a lean norm's input), so that it is saved (and recomputed by a checkpoint) before the chunked forward runs. Its
-    outputs are views: _run_chunks copies each chunk."""
+    """Identity that saves what the chunked MLP's backward rebuilds its inputs from (each input, or a lean norm's
+    input), so that it is saved (and recomputed by a checkpoint) before the chunked forward runs. Its outputs are
+    views, passed on to the chunked MLP for their gradients."""
 
     @staticmethod
-    def forward(ctx, n_inputs, *tensors):
-        inputs, kept = tensors[:n_inputs], tensors[n_inputs:]
-        ctx.save_for_backward(*kept)
-        ctx.n_kept = len(kept)
-        return tuple(x.view_as(x) for x in inputs)
+    def forward(ctx, *kept):
+        host_copies.save(ctx, *kept)
+        ctx.set_materialize_grads(False)  # a kept tensor that gets no gradient here (a norm's input) gets no zeros
+        return tuple(x.view_as(x) for x in kept)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *grads, *[None] * ctx.n_kept)
+        return grads
 
 
-def _rows(kept: torch.Tensor, rebuild: Callable | None, start: int, end: int) -> torch.Tensor:
-    """Tokens [start, end) of an input: a slice of the kept tensor, or the norm's forward over its slice."""
-    if rebuild is None:
-        return kept[:, start:end]
-    with torch.no_grad():
-        return rebuild(kept[:, start:end])
+def _pieces(kept: Sequence[torch.Tensor], norms: Sequence[Callable | None], to_kept: Sequence[bool],
+            wants: Sequence[bool], start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A chunk's leaves (what its gradients are taken for: kept rows, or a norm's output rows rebuilt without grad)
+    and the forward's inputs made from them: the folded norm's forward over the leaf (with grad), or a copy of it (the
+    forward may modify its input in place, as Mixtral's router jitter does, while gradients flow to the leaf)."""
+    leaves, pieces = [], []
+    for x, norm, fold, want in zip(kept, norms, to_kept, wants):
+        rows = x[:, start:end]
+        if norm is not None and not fold:
+            with torch.no_grad():
+                rows = norm(rows)
+        leaf = rows.detach().requires_grad_(want)
+        leaves.append(leaf)
+        pieces.append(norm(leaf) if norm is not None and fold else leaf.clone())
+    return leaves, pieces
 
 
 class _ChunkedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, forward, chunk, n_inputs, saver, rebuild, *tensors):
-        inputs = tensors[:n_inputs]
-        kept = () if saver else tensors[n_inputs:2 * n_inputs]
-        params = tensors[n_inputs + len(kept):]
-        ctx.forward, ctx.chunk, ctx.n_inputs, ctx.n_kept, ctx.saver, ctx.rebuild = \
-            forward, chunk, n_inputs, len(kept), saver, rebuild
-        ctx.input_meta = [(x.shape, x.dtype, x.device) for x in inputs]
+    def forward(ctx, forward, chunk, saver, norms, to_kept, *tensors):
+        n = len(norms)
+        inputs, kept, params = tensors[:n], tensors[n:2 * n], tensors[2 * n:]
+        ctx.forward, ctx.chunk, ctx.saver, ctx.norms, ctx.to_kept = forward, chunk, saver, norms, to_kept
+        grads_to = [k if fold else x for x, k, fold in zip(inputs, kept, to_kept)]
+        ctx.grad_meta = [(t.shape, t.dtype, t.device) for t in grads_to]
         ctx.rng = RngSnapshot(inputs)
         ctx.autocast = autocast_state(inputs)
         # what the inputs [B, N, ...] are rebuilt from is saved by the `saver` node when there is one. The
         # parameters are the module's own tensors, alive anyway: kept as plain references, they add no saved tensor
         # after the chunked forward (which would make a checkpoint's recompute run it again).
-        ctx.save_for_backward(*kept)
+        host_copies.save(ctx, *(() if saver else kept))
         ctx.params = params
         return _run_chunks(forward, inputs, chunk, copy_inputs=True)  # [B, N, ...]
 
     @staticmethod
     def backward(ctx, grad_out):
-        kept, params = (ctx.saver or ctx).saved_tensors, ctx.params
-        wants = ctx.needs_input_grad[5:5 + ctx.n_inputs]
-        input_grads = [torch.empty(shape, dtype=dtype, device=device) if want else None  # [B, N, ...]
-                       for (shape, dtype, device), want in zip(ctx.input_meta, wants)]
-        param_grads = [None] * len(params)
+        kept, params, n = host_copies.saved(ctx.saver or ctx), ctx.params, len(ctx.norms)
+        wants = [ctx.needs_input_grad[5 + i + (n if fold else 0)] for i, fold in enumerate(ctx.to_kept)]
+        grads_out = [torch.empty(shape, dtype=dtype, device=device) if want else None  # [B, N, ...]
+                     for (shape, dtype, device), want in zip(ctx.grad_meta, wants)]
+        param_grads = [None] * len(params)  # fp32 accumulators
         with ctx.rng.replayed(), autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
             for start, end in _spans(kept[0].shape[1], ctx.chunk):
-                leaves = [_rows(x, rebuild, start, end).detach().requires_grad_(want)
-                          for x, rebuild, want in zip(kept, ctx.rebuild, wants)]
-                # clone: a non-leaf the forward may modify in place, with gradients flowing to the leaf
-                y = ctx.forward(*[leaf.clone() for leaf in leaves])  # [B, n, ...]
+                leaves, pieces = _pieces(kept, ctx.norms, ctx.to_kept, wants, start, end)
+                y = ctx.forward(*pieces)  # [B, n, ...]
                 targets = [leaf for leaf in leaves if leaf.requires_grad] + list(params)
                 if start == 0:
                     check_no_hidden_leaves(y, targets, "chunked_mlp")
-                grads = torch.autograd.grad(y, targets, grad_out[:, start:end], allow_unused=True)
-                grads = iter(grads)
+                grads = iter(torch.autograd.grad(y, targets, grad_out[:, start:end], allow_unused=True))
                 for i, leaf in enumerate(leaves):
                     if leaf.requires_grad:
                         g = next(grads)
-                        input_grads[i][:, start:end] = 0 if g is None else g
+                        grads_out[i][:, start:end] = 0 if g is None else g
                 for j, g in enumerate(grads):
                     if g is None:  # parameter unused by this chunk (an MoE expert no token picked)
                         continue
                     if param_grads[j] is None:  # our own buffer: g may alias a tensor autograd still holds
-                        param_grads[j] = torch.zeros_like(params[j])
+                        param_grads[j] = torch.zeros_like(params[j], dtype=torch.promote_types(params[j].dtype,
+                                                                                                torch.float32))
                     param_grads[j].add_(g)
-        return (None, None, None, None, None, *input_grads, *[None] * ctx.n_kept, *param_grads)
+        del kept
+        host_copies.release(ctx.saver or ctx)
+        param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(param_grads, params)]
+        input_grads = [None if fold else g for g, fold in zip(grads_out, ctx.to_kept)]
+        kept_grads = [g if fold else None for g, fold in zip(grads_out, ctx.to_kept)]
+        return (None,) * 5 + (*input_grads, *kept_grads, *param_grads)

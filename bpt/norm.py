@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from bpt import host_copies
 from bpt.recompute import autocast_replayed, autocast_state, check_no_hidden_leaves, isolated_saved_tensors
 
 
@@ -46,24 +47,25 @@ def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor
     trainable = [p for p in params if p.requires_grad]
     y = _LeanNorm.apply(forward, rows_now, norm_dims, x, *trainable) if x.requires_grad or trainable else forward(x)
     # weak: never what keeps the input on the device; the versions: neither changed in place since
-    setattr(y, _SOURCE_ATTR, (forward, weakref.ref(x), x._version, y._version))
+    setattr(y, _SOURCE_ATTR, (forward, trainable, weakref.ref(x), x._version, y._version))
     return y
 
 
 _SOURCE_ATTR = "_bpt_lean_norm_source"
 
 
-def norm_source(y: torch.Tensor) -> tuple[Callable, torch.Tensor] | None:
-    """(forward, x) when `y` is a lean norm's output and its input x is alive, neither changed in place since:
-    `forward(x[rows])` gives those rows of y bitwise (a per-token norm, the norm's own forward as lean_norm runs it).
-    A consumer that keeps y for backward can keep x instead (the norm saves x anyway) and rebuild y's rows when it
-    needs them (bpt.mlp.chunked_mlp; autograd's version check then catches a later in-place change of x)."""
+def norm_source(y: torch.Tensor) -> tuple[Callable, list[torch.Tensor], torch.Tensor] | None:
+    """(forward, trainable params, x) when `y` is a lean norm's output and its input x is alive, neither changed in
+    place since: `forward(x[rows])` gives those rows of y bitwise (a per-token norm, the norm's own forward as
+    lean_norm runs it). A consumer that keeps y for backward can keep x instead (the norm saves x anyway), rebuild
+    y's rows when it needs them, and take the norm's backward into its own (bpt.mlp.chunked_mlp; autograd's version
+    check then catches a later in-place change of x)."""
     source = getattr(y, _SOURCE_ATTR, None)
     if source is None:
         return None
-    forward, ref, x_version, y_version = source
+    forward, params, ref, x_version, y_version = source
     x = ref()
-    return None if x is None or x._version != x_version or y._version != y_version else (forward, x)
+    return None if x is None or x._version != x_version or y._version != y_version else (forward, params, x)
 
 
 def _check_rows(rows) -> int:
@@ -86,7 +88,7 @@ class _LeanNorm(torch.autograd.Function):
         ctx.forward, ctx.rows_now, ctx.norm_dims = forward, rows_now, norm_dims
         rows = _check_rows(rows_now())
         ctx.autocast = autocast_state([x])
-        ctx.save_for_backward(x)  # the input only: shared storage with whoever else holds it
+        host_copies.save(ctx, x)  # the input only: shared storage with whoever else holds it (or its host copy)
         ctx.params = params  # the module's own tensors, alive anyway: references, not saved tensors
         lead = x.shape[:x.dim() - norm_dims]
         flat_x = x.reshape(-1, *x.shape[x.dim() - norm_dims:])  # [R, *D]
@@ -103,7 +105,7 @@ class _LeanNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
+        (x,) = host_copies.saved(ctx)
         params, norm_dims = ctx.params, ctx.norm_dims
         lead = x.shape[:x.dim() - norm_dims]
         flat_x = x.reshape(-1, *x.shape[x.dim() - norm_dims:])  # [R, *D]: a view for a contiguous input
@@ -131,5 +133,6 @@ class _LeanNorm(torch.autograd.Function):
                         param_grads[j] = torch.zeros_like(params[j], dtype=torch.promote_types(params[j].dtype, torch.float32))
                     param_grads[j].add_(g)
                 del y, leaf
+        host_copies.release(ctx)
         param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(param_grads, params)]
         return (None, None, None, None if grad_x is None else grad_x.view(x.shape), *param_grads)

@@ -230,7 +230,8 @@ def _chunked_projection_forward(module, original, config: BPTConfig):
         chunk = _mlp_chunk(module, x, config)
         if chunk is None:
             return original(x)
-        return chunked_mlp(original, list(module.parameters()), x, chunk=chunk)
+        # q, k and v share the norm before them: its backward runs once, over their summed gradient, as stock's does
+        return chunked_mlp(original, list(module.parameters()), x, chunk=chunk, fold_norms=False)
 
     return forward
 

@@ -10,6 +10,9 @@ model's forward move every such tensor to the host as it is saved, and back in b
 - backward needs the layers' inputs in reverse order, so when one comes back the one saved before it starts its copy
   back at once (prefetch one layer ahead): the compute stream waits only on the copy it needs now. A layer input
   over 1/32 of the device is not fetched ahead (`_prefetches`): at that length the copy is ~1% of the layer's work.
+- such a large layer input is also registered with bpt.host_copies: inside the layer, its input norm and projections
+  save it as this host copy, fetched once more after the layer's MLP and attention backward (on a CPU, every layer
+  input, the tests' path).
 - on CPU (and in the simulation) the copy is a plain one, made when saved and undone when needed.
 - a long step's frozen input embedding and LM head wait on the host through the backward (patches/idle_weights.py).
 transformers' `activation_checkpointing_enable(offload=True)` wraps each layer's checkpoint in torch's `save_on_cpu`:
@@ -19,10 +22,13 @@ converted: gradients are bitwise those of the run without offload.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from bpt import host_copies
+from bpt.host_copies import HostCopy
 from patches.idle_weights import IdleWeights
 
 
@@ -32,10 +38,11 @@ PREFETCH_SHARE = 1 / 32
 class _Saved:
     """One offloaded tensor: its host copy, and its device copy while it is on its way back."""
 
-    __slots__ = ("host", "device", "ready", "index")
+    __slots__ = ("host", "device", "ready", "index", "copy")
 
     def __init__(self, host: torch.Tensor, index: int):
         self.host, self.device, self.ready, self.index = host, None, None, index
+        self.copy = None  # its bpt.host_copies.HostCopy, where the layers save it as that
 
 
 class CheckpointOffload:
@@ -48,6 +55,8 @@ class CheckpointOffload:
         self.saved: list[_Saved] = []
         self.stream = None  # CUDA side stream, made on the first real CUDA tensor
         self.device = None
+        self.embedding_output = None  # weakly, the embedding's output, until it is handed over to its host copy
+        self.embedding_packed = None  # its _Saved, where it is the first layer's input
 
     def offloads(self, t: torch.Tensor) -> bool:
         if isinstance(t, torch.nn.Parameter) or not t.is_floating_point() or t.device.type == "meta":
@@ -59,13 +68,50 @@ class CheckpointOffload:
     def pack(self, t: torch.Tensor):
         if not self.offloads(t):
             return t
+        if self.embedding_packed is not None:  # the next layer's input: the first layer's forward is over
+            self._hand_over_embedding_output()
         self.device = t.device
         if t.is_cuda and not is_fake(t) and torch.cuda.is_available():
             host = self._to_host_async(t)
         else:
             host = t.to("cpu", copy=True)  # CPU: a copy, so the path is the real one; simulation: a host tensor
-        self.saved.append(_Saved(host, len(self.saved)))
-        return self.saved[-1]
+        packed = _Saved(host, len(self.saved))
+        self.saved.append(packed)
+        if self._saved_as_host_copy(t):
+            packed.copy = HostCopy(functools.partial(self._fetched, packed))
+            host_copies.register(t, packed.copy)
+        if self.embedding_output is not None:
+            embedding = self.embedding_output()
+            if embedding is not None and host_copies.same_values(embedding, t):
+                self.embedding_packed = packed
+            else:
+                self.embedding_output = None
+        return packed
+
+    def embedding_hook(self, module, inputs, output):
+        """A forward hook on the input embedding. transformers' `enable_input_require_grads` (on with every
+        checkpointed model) makes a frozen embedding's output a leaf that requires grad, only so that reentrant
+        checkpointing sees an input requiring grad. Autograd keeps such a leaf alive until backward ends, on the
+        device, whatever the saved-tensor hooks do: [B, N, hidden], as large as a checkpoint. Without reentrancy
+        nothing needs its gradient, so the layers get a detached view. And the model's forward holds the output
+        (`inputs_embeds`) to its end: where it is the first layer's input, it is handed over to its host copy once
+        that layer's forward is over (`_hand_over_embedding_output`)."""
+        if not isinstance(output, torch.Tensor):
+            return None
+        kept = output.detach() if output.is_leaf and output.requires_grad else output
+        self.embedding_output = weakref.ref(kept)
+        return kept if kept is not output else None
+
+    def _hand_over_embedding_output(self) -> None:
+        """The embedding's output, still held by the model's forward (`inputs_embeds`) after the first layer, its one
+        reader, is done with it, points at its host copy: its device memory goes back at once, not when the forward
+        ends (at the forward's peak it was one of the layer inputs alive). A later reader would get the values, on
+        the host. Not for an output that requires grad (autograd may have saved it)."""
+        embedding, packed = self.embedding_output(), self.embedding_packed
+        self.embedding_output = self.embedding_packed = None
+        if embedding is None or embedding.requires_grad:
+            return
+        embedding.data = packed.host
 
     def largest_bytes(self) -> int:
         """The largest tensor moved to the host (a layer input), in bytes."""
@@ -77,13 +123,28 @@ class CheckpointOffload:
             idle.come_back_after_backward()
         if not isinstance(packed, _Saved):
             return packed
+        tensor = self._fetched(packed)
+        for other in self.saved[packed.index + 1:]:  # layers whose backward is over: a copy a node never asked
+            if other.copy is not None:               # to release is not kept beside this layer's backward
+                other.copy.device = None
+        if packed.copy is not None:  # the layer's recompute saves it as the host copy too
+            host_copies.register(tensor, packed.copy, users=False)
+        if packed.index > 0 and self._prefetches(tensor):
+            self._fetch(self.saved[packed.index - 1])  # the next one backward needs: on its way while this one works
+        return tensor
+
+    def _fetched(self, packed: _Saved) -> torch.Tensor:
+        """`packed` on the device, once the compute stream may read it."""
         self._fetch(packed)
         if packed.ready is not None:
             torch.cuda.current_stream().wait_event(packed.ready)
         tensor, packed.device, packed.ready = packed.device, None, None
-        if packed.index > 0 and self._prefetches(tensor):
-            self._fetch(self.saved[packed.index - 1])  # the next one backward needs: on its way while this one works
         return tensor
+
+    def _saved_as_host_copy(self, t: torch.Tensor) -> bool:
+        """Whether the layers save `t` as its host copy (bpt.host_copies): on CUDA where it is too large to prefetch
+        (a copy is ~1% of its layer's backward), on a CPU always (the tests' path)."""
+        return t.device.type == "cpu" or not self._prefetches(t)
 
     def _prefetches(self, t: torch.Tensor) -> bool:
         """Fetch the next one ahead unless it is over PREFETCH_SHARE of the device: a layer input that large (8B:
@@ -136,16 +197,6 @@ def checkpointed_without_reentrancy(model) -> bool:
     return bool(functions) and all(getattr(f, "keywords", {}).get("use_reentrant") is False for f in functions)
 
 
-def _embedding_output_not_a_leaf(module, inputs, output):
-    """transformers' `enable_input_require_grads` (on with every checkpointed model) makes a frozen embedding's
-    output a leaf that requires grad, only so that reentrant checkpointing sees an input requiring grad. Autograd
-    keeps such a leaf alive until backward ends, on the device, whatever the saved-tensor hooks do: [B, N, hidden],
-    as large as a checkpoint. Without reentrancy nothing needs its gradient, so the layers get a detached view."""
-    if isinstance(output, torch.Tensor) and output.is_leaf and output.requires_grad:
-        return output.detach()
-    return None
-
-
 def offloading_forward(model, original, width: int):
     """`model.forward` that runs `original` under a fresh CheckpointOffload when it trains (grad enabled, train
     mode), the frozen embeddings away from the device until its backward ends where the step is long (IdleWeights);
@@ -167,7 +218,7 @@ def offloading_forward(model, original, width: int):
                                "(train.qlora: drop --no_gradient_checkpointing) or patch without offload_checkpoints")
         offload = CheckpointOffload(shape[0] * shape[1], width, shape, idle)
         embedding = model.get_input_embeddings() if checkpointed_without_reentrancy(model) else None
-        leaf_cut = embedding.register_forward_hook(_embedding_output_not_a_leaf) if embedding is not None else None
+        leaf_cut = embedding.register_forward_hook(offload.embedding_hook) if embedding is not None else None
         try:
             with offload.hooks():
                 output = original(*args, **kwargs)

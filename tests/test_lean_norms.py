@@ -288,8 +288,9 @@ def test_norm_source_only_while_output_and_input_are_unchanged():
     norm = torch.nn.RMSNorm(8)
     x = torch.randn(2, 5, 8, requires_grad=True)
     y = lean_norm(norm.forward, list(norm.parameters()), x, rows=3)
-    forward, source = norm_source(y)
+    forward, params, source = norm_source(y)
     assert source is x and torch.equal(forward(x[:, 1:4]), y[:, 1:4])
+    assert [id(p) for p in params] == [id(p) for p in norm.parameters()]
     with torch.no_grad():
         y.mul_(2)
     assert norm_source(y) is None

@@ -293,3 +293,37 @@ def test_mlp_forwards_per_step_under_gradient_checkpointing(name, expected):
     assert len(calls) == expected * chunks
     assert abs(patched_loss - stock_loss) <= 1e-5 * abs(stock_loss)
     assert_grads_close(stock_grads, patched_grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lean_norm_before_the_mlp_runs_its_backward_inside_each_chunk(dtype):
+    """A lean norm feeding the chunked MLP, its only consumer, is folded into the chunks' backward: the gradients of
+    the norm's input, its weight and the MLP's weights are bitwise those of the norm's own backward after the MLP's
+    (same chunks of rows), and the backward's peak is one whole [B, N, H] gradient lower (the MLP's input's)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from bpt.gpusim.tracker import AllocationTracker
+    from bpt.norm import lean_norm
+
+    norm, mlp = _init(LlamaRMSNorm(H), seed=3).to(dtype), _init(FAMILIES["llama"]()).to(dtype)
+    tokens, chunk = 1000, 10  # a whole [1, N, H] buffer well above a chunk's [1, chunk, I] temporaries
+    x = torch.randn(1, tokens, H, dtype=dtype, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    grad_out = torch.randn(1, tokens, H, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    params, whole = [x, *norm.parameters(), *mlp.parameters()], x.numel() * x.element_size()
+    results = {}
+    for fold in (True, False):
+        y = lean_norm(norm.forward, list(norm.parameters()), x, rows=chunk)
+        out = chunked_mlp(mlp.forward, list(mlp.parameters()), y, chunk=chunk, fold_norms=fold)
+        del y
+        with AllocationTracker() as tracker:
+            grads = torch.autograd.grad(out, params, grad_out)
+        # whole [1, N, H] buffers the backward made (x and grad_out are there too, as slices' storages)
+        made = [h for h in tracker.peak_holders if h["bytes"] == whole and h["op"] != "slice"]
+        results[fold] = out, grads, (tracker.peak, len(made))
+    (out, grads, peak), (out_ref, grads_ref, peak_ref) = results[True], results[False]
+    assert torch.equal(out, out_ref)
+    assert all(torch.equal(g, r) for g, r in zip(grads, grads_ref, strict=True))
+    assert peak[1] == 1 and peak_ref[1] == 2 and peak[0] < peak_ref[0]
+    if dtype == torch.float32:  # and stock's, to float tolerance
+        stock = mlp(norm(x))
+        _assert_close([out, *grads], [stock, *torch.autograd.grad(stock, params, grad_out)])

@@ -103,6 +103,32 @@ def test_frozen_embedding_output_is_not_kept_on_the_device(reentrant):
     assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
 
 
+def test_the_embedding_output_points_at_its_host_copy_once_the_first_layer_is_done(monkeypatch):
+    """transformers' model forward holds the embedding's output (`inputs_embeds`) to its end, and only the first
+    layer reads it, whose checkpoint has its host copy: once that layer's forward is over the tensor points at the
+    copy, so its device memory goes back (at the forward's peak it was one more layer input alive). Gradients
+    bitwise."""
+    import patches.offload as offload
+
+    handed, original = [], offload.CheckpointOffload._hand_over_embedding_output
+
+    def recording(self):
+        embedding, packed = self.embedding_output(), self.embedding_packed
+        original(self)
+        handed.append((embedding, packed.host, packed.index))
+
+    monkeypatch.setattr(offload.CheckpointOffload, "_hand_over_embedding_output", recording)
+    resident, model = checkpointed(lora(tiny_model("llama"))), checkpointed(lora(tiny_model("llama")))
+    model.load_state_dict(resident.state_dict())
+    apply_bpt_patch(resident, **SMALL_BLOCKS)
+    apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True)
+    inputs = make_batch("plain")
+    result = loss_and_grads(model, inputs)
+    ((embedding, host, index),) = handed
+    assert index == 0 and embedding.untyped_storage().data_ptr() == host.untyped_storage().data_ptr()
+    assert_bitwise(loss_and_grads(resident, inputs), result)
+
+
 def test_every_layer_input_goes_to_the_host_and_comes_back_one_ahead(monkeypatch):
     recorder = Recorder(monkeypatch)
     model = checkpointed(tiny_model("llama"))
@@ -117,11 +143,13 @@ def test_every_layer_input_goes_to_the_host_and_comes_back_one_ahead(monkeypatch
     assert set(recorder.packed) <= {(batch, length, hidden), (batch * length, hidden)}
     last = len(recorder.packed) - 1
     # backward: each one back in reverse order; the first is fetched when needed, every other one already while
-    # the one after it is unpacked (prefetch one ahead)
+    # the one after it is unpacked (prefetch one ahead). A layer input comes back once more, after its layer's MLP
+    # and attention backward, for its input norm's and projections' backward: saved as the host copy
+    # (bpt.host_copies), it is fetched once for all of them.
     expected = [("unpack", last), ("fetch", last)]
     for index in range(last - 1, -1, -1):
-        expected += [("fetch", index), ("unpack", index)]
-    assert recorder.events == expected
+        expected += [("fetch", index)] + [("fetch", index + 1)] * (index + 1 < layers) + [("unpack", index)]
+    assert recorder.events == expected + [("fetch", 0)]
 
 
 def test_a_layer_input_over_a_share_of_the_device_is_fetched_when_needed(monkeypatch):
@@ -136,9 +164,11 @@ def test_a_layer_input_over_a_share_of_the_device_is_fetched_when_needed(monkeyp
     hidden_bytes = inputs["input_ids"].numel() * model.config.hidden_size * 4
     monkeypatch.setattr(offload, "device_bytes", lambda device: int(hidden_bytes / offload.PREFETCH_SHARE) - 1)
     loss_and_grads(model, inputs)
-    last = len(recorder.packed) - 1
-    assert recorder.events == [event for index in range(last, -1, -1) for event in (("unpack", index),
-                                                                                    ("fetch", index))]
+    last, layers = len(recorder.packed) - 1, model.config.num_hidden_layers
+    # a layer input: once for the layer's recompute, once more for its norm's and projections' host copy
+    events = [[("unpack", index), ("fetch", index)] + [("fetch", index)] * (index < layers)
+              for index in range(last, -1, -1)]
+    assert recorder.events == [event for pair in events for event in pair]
 
 
 def test_patch_before_or_after_checkpointing_and_peft():
