@@ -253,6 +253,31 @@ def test_cuda_offload_pins_host_memory_and_lowers_the_peak():
     assert packed.host.is_pinned()
 
 
+@pytest.mark.cuda
+def test_cuda_layer_inputs_saved_as_host_copies_are_exact(monkeypatch):
+    """Where a layer input is large (here: every one), its input norm and projections save it as its pinned host
+    copy, fetched on the side stream after the layer's MLP and attention backward (bpt.host_copies): bitwise the run
+    without offload, with a peak no higher than with those copies kept on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run `python -m pytest -m cuda` on a GPU machine)")
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_batch("plain", length=4096).items()}
+    peaks, results = {}, {}
+    for case in ("resident", "kept", "host copies"):
+        monkeypatch.setattr(offload.CheckpointOffload, "_saved_as_host_copy", lambda self, t: case == "host copies")
+        model = checkpointed(lora(tiny_model("llama", hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                                             max_position_embeddings=8192))).cuda()
+        apply_bpt_patch(model, offload_checkpoints=case != "resident", chunk_budget=2**20)
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16), deterministic_kernels():
+            results[case] = loss_and_grads(model, inputs)
+        peaks[case] = torch.cuda.max_memory_allocated() - before
+    assert_bitwise(results["resident"], results["kept"])
+    assert_bitwise(results["resident"], results["host copies"])
+    assert peaks["host copies"] <= peaks["kept"], peaks
+
+
 class HostStandIn:
     """IdleWeights on a CPU: a clone stands in for the host copy, and CPU weights count as on a device."""
 
