@@ -26,10 +26,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from bpt.config import BPTConfig
 from bpt.mlp import chunked_mlp
+from bpt.norm import norm_source
 from patches.attention import (ATTN_IMPLEMENTATION, CONFIG_ATTR, EMPTY_ROWS_ATTR, bpt_attention_forward,
                                stock_empty_rows)
 from patches.bound_attention import BINDERS
-from patches.chunk_bytes import mlp_bytes_per_token
+from patches.chunk_bytes import mlp_bytes_per_token, norm_bytes_per_token
 from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
 from patches.lm_head import causal_lm_forward
 from patches.lora_inputs import input_cast_skipping_round_trips, is_lora_layer
@@ -236,9 +237,13 @@ def _chunked_projection_forward(module, original, config: BPTConfig):
     return forward
 
 
-def _mlp_chunk(module, hidden: torch.Tensor, config: BPTConfig) -> int | None:
-    """Tokens per chunk of `module` over hidden [B, N, H] (the `mlp_chunk` rule); None where the whole sequence fits."""
-    per_token = lambda: mlp_bytes_per_token(module, hidden)  # noqa: E731 (asked only where there is a budget)
+def _mlp_chunk(module, hidden: torch.Tensor, config: BPTConfig, folds_norm: bool = False) -> int | None:
+    """Tokens per chunk of `module` over hidden [B, N, H] (the `mlp_chunk` rule); None where the whole sequence fits.
+    folds_norm: a lean norm's backward runs in each chunk's too (bpt.mlp.chunked_mlp's fold_norms), with its float32
+    temporaries."""
+    def per_token():  # asked only where there is a budget
+        mlp = mlp_bytes_per_token(module, hidden)
+        return mlp + norm_bytes_per_token(hidden.shape[-1]) if mlp is not None and folds_norm else mlp
     if config.whole_fits("mlp_chunk", hidden.shape[1], per_token, hidden.device):
         return None
     return config.chunk_tokens("mlp_chunk", hidden.shape[1], per_token, hidden.device)
@@ -249,7 +254,7 @@ def _chunked_mlp_forward(module, original, config: BPTConfig):
         hidden = inputs[0]  # [B, N, H]
         if hidden.dim() < 3:
             return original(*inputs)
-        chunk = _mlp_chunk(module, hidden, config)
+        chunk = _mlp_chunk(module, hidden, config, folds_norm=any(norm_source(x) is not None for x in inputs))
         if chunk is None:
             return original(*inputs)
         # An MLP that returns a tuple (gpt-oss: (hidden, router_scores)) is chunked on its first output. The

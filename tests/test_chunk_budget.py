@@ -12,7 +12,7 @@ from tiny_models import tiny_model
 
 from bpt.config import BPTConfig, auto_chunk_budget
 from patches import apply_bpt_patch
-from patches.chunk_bytes import loss_bytes_per_token, mlp_bytes_per_token
+from patches.chunk_bytes import loss_bytes_per_token, mlp_bytes_per_token, norm_bytes_per_token
 
 CPU = torch.device("cpu")
 
@@ -69,7 +69,8 @@ def test_a_budget_makes_fewer_larger_chunks_with_stock_results(checkpointing):
     stock = tiny_model("llama")
     patched = copy.deepcopy(stock)
     mlp = patched.model.layers[0].mlp
-    per_token = mlp_bytes_per_token(mlp, torch.zeros(1))
+    # a lean norm feeds the MLP: its backward runs in the MLP's chunks, and counts in them
+    per_token = mlp_bytes_per_token(mlp, torch.zeros(1)) + norm_bytes_per_token(stock.config.hidden_size)
     calls = []
     original = mlp.forward
     mlp.forward = lambda *args: (calls.append(args[0].shape[1]), original(*args))[1]
