@@ -131,6 +131,14 @@ class BPTConfig:
             return self.chunk_budget
         return int(torch.cuda.mem_get_info(device)[1] * CHUNK_BUDGET_SHARE) if device.type == "cuda" else 0
 
+    def folds_norms(self, whole_bytes: int, device: torch.device) -> bool:
+        """Whether a chunked MLP takes the lean norm before it into its backward (bpt.mlp.chunked_mlp's fold_norms),
+        for a [B, N, hidden] input of `whole_bytes`, a rule of the shapes: where that is over a quarter of the largest
+        budget there can be (auto: 1/32 of a CUDA device). There one such tensor fewer at the backward's peak is what
+        lengthens the context; below it the norm's own backward, in its larger chunks, launches fewer kernels."""
+        largest = self.largest_budget(device)
+        return bool(largest) and whole_bytes * 4 > largest
+
     def attention_head_groups(self, q_heads: int, kv_heads: int, whole_bytes: int, device: torch.device
                               ) -> Callable[[], int] | None:
         """How the fused attention's backward is split (bpt.head_groups), for a kernel workspace of `whole_bytes`

@@ -238,15 +238,17 @@ def _chunked_projection_forward(module, original, config: BPTConfig):
 
 
 def _mlp_chunk(module, hidden: torch.Tensor, config: BPTConfig, folds_norm: bool = False) -> int | None:
-    """Tokens per chunk of `module` over hidden [B, N, H] (the `mlp_chunk` rule); None where the whole sequence fits.
-    folds_norm: a lean norm's backward runs in each chunk's too (bpt.mlp.chunked_mlp's fold_norms), with its float32
-    temporaries."""
-    def per_token():  # asked only where there is a budget
-        mlp = mlp_bytes_per_token(module, hidden)
-        return mlp + norm_bytes_per_token(hidden.shape[-1]) if mlp is not None and folds_norm else mlp
+    """Tokens per chunk of `module` over hidden [B, N, H] (the `mlp_chunk` rule); None where the whole sequence fits
+    (then the module runs as stock's). folds_norm: a chunk's backward runs a lean norm's too (bpt.mlp.chunked_mlp's
+    fold_norms), with its float32 temporaries."""
+    per_token = lambda: mlp_bytes_per_token(module, hidden)  # noqa: E731 (asked only where there is a budget)
     if config.whole_fits("mlp_chunk", hidden.shape[1], per_token, hidden.device):
         return None
-    return config.chunk_tokens("mlp_chunk", hidden.shape[1], per_token, hidden.device)
+
+    def with_norm():
+        mlp = per_token()
+        return mlp + norm_bytes_per_token(hidden.shape[-1]) if mlp is not None and folds_norm else mlp
+    return config.chunk_tokens("mlp_chunk", hidden.shape[1], with_norm, hidden.device)
 
 
 def _chunked_mlp_forward(module, original, config: BPTConfig):
@@ -254,7 +256,8 @@ def _chunked_mlp_forward(module, original, config: BPTConfig):
         hidden = inputs[0]  # [B, N, H]
         if hidden.dim() < 3:
             return original(*inputs)
-        chunk = _mlp_chunk(module, hidden, config, folds_norm=any(norm_source(x) is not None for x in inputs))
+        fold = config.folds_norms(hidden.numel() * hidden.element_size(), hidden.device)
+        chunk = _mlp_chunk(module, hidden, config, folds_norm=fold and any(norm_source(x) is not None for x in inputs))
         if chunk is None:
             return original(*inputs)
         # An MLP that returns a tuple (gpt-oss: (hidden, router_scores)) is chunked on its first output. The
@@ -274,7 +277,7 @@ def _chunked_mlp_forward(module, original, config: BPTConfig):
             return y
 
         # Parameters are read at call time: LoRA layers added after patching are included.
-        out = chunked_mlp(first_output, list(module.parameters()), *inputs, chunk=chunk)
+        out = chunked_mlp(first_output, list(module.parameters()), *inputs, chunk=chunk, fold_norms=fold)
         return (out, *extra) if extra else out
 
     return forward

@@ -12,7 +12,7 @@ from tiny_models import tiny_model
 
 from bpt.config import BPTConfig, auto_chunk_budget
 from patches import apply_bpt_patch
-from patches.chunk_bytes import loss_bytes_per_token, mlp_bytes_per_token, norm_bytes_per_token
+from patches.chunk_bytes import loss_bytes_per_token, mlp_bytes_per_token
 
 CPU = torch.device("cpu")
 
@@ -69,8 +69,7 @@ def test_a_budget_makes_fewer_larger_chunks_with_stock_results(checkpointing):
     stock = tiny_model("llama")
     patched = copy.deepcopy(stock)
     mlp = patched.model.layers[0].mlp
-    # a lean norm feeds the MLP: its backward runs in the MLP's chunks, and counts in them
-    per_token = mlp_bytes_per_token(mlp, torch.zeros(1)) + norm_bytes_per_token(stock.config.hidden_size)
+    per_token = mlp_bytes_per_token(mlp, torch.zeros(1))
     calls = []
     original = mlp.forward
     mlp.forward = lambda *args: (calls.append(args[0].shape[1]), original(*args))[1]
@@ -101,6 +100,15 @@ def test_auto_budget_on_a_simulated_h100_cuts_the_launches(tmp_path):
     assert runs[None]["kernel_launches"] < 0.75 * runs["0"]["kernel_launches"], runs
     (auto,), (fixed,) = (runs[key]["flops_by_dtype"].values() for key in (None, "0"))
     assert auto == pytest.approx(fixed, rel=0.02)  # the same work (the loss and norms in fewer, larger pieces)
+
+
+def test_the_mlp_takes_the_norm_into_its_backward_past_a_quarter_of_the_largest_budget():
+    """bpt.mlp.chunked_mlp's fold_norms, a rule of the shapes: past a quarter of the largest budget there can be (one
+    [B, N, hidden] fewer at the backward's peak lengthens the context); never without a budget (a CPU's auto)."""
+    cpu = torch.device("cpu")
+    config = BPTConfig(chunk_budget=4000)
+    assert config.folds_norms(1001, cpu) and not config.folds_norms(1000, cpu)
+    assert not BPTConfig().folds_norms(2**40, cpu)
 
 
 def test_running_whole_is_a_rule_of_the_shapes():
