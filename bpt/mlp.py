@@ -181,6 +181,7 @@ class _ChunkedMLP(torch.autograd.Function):
             for start, end in _spans(kept[0].shape[1], ctx.chunk):
                 leaves, pieces = _pieces(kept, ctx.norms, ctx.to_kept, wants, start, end)
                 y = ctx.forward(*pieces)  # [B, n, ...]
+                del pieces  # held by y's graph only: gone with it, before the next chunk's are made
                 targets = [leaf for leaf in leaves if leaf.requires_grad] + list(params)
                 if start == 0:
                     check_no_hidden_leaves(y, targets, "chunked_mlp")
