@@ -231,7 +231,7 @@ def stated_simulated() -> list[str]:
             f"set: {patched:.1f} KiB per token in all, {patched / floor:.2f}x that floor",
             f"(bf16 weights, 64K: {gib(bf16['peak_bytes'])} ->",
             f"{offload['bytes_per_token'] / 1024:.1f} KiB per token at {offload['seq_len']:,} tokens "
-            f"({gib(offload['peak_bytes'])} GiB; 105.1 before",
+            f"({gib(offload['peak_bytes'])} GiB; 59.0 before",
             f"({gib(offload['host_peak_bytes'], 0)} GiB at {offload['seq_len']:,} tokens:",
             f"--seq_lens {fit['seq_len']} {over['seq_len']} --sides patched+offload",
             f"{fit['seq_len']:,} tokens {fits[fit['fits']]} ({gib(fit['peak_bytes'])} GiB on the device, "
