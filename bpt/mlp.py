@@ -67,10 +67,10 @@ def chunked_mlp(forward: Callable, params: Sequence[torch.Tensor], *inputs: torc
     kept = [x if s is None else s[2] for x, s in zip(inputs, sources)]
     # where each input's gradient goes: its kept tensor (itself, or a folded norm's input), else the input
     to_kept = [s is None or fold_norms for s in sources]
-    folded = [p for s, k in zip(sources, to_kept) if s is not None and k for p in s[1]]
+    grads_to = [k if fold else x for x, k, fold in zip(inputs, kept, to_kept)]
+    folded = [p for s, fold in zip(sources, to_kept) if s is not None and fold for p in s[1]]
     trainable = _unique([p for p in params if p.requires_grad] + folded)
-    needs_grad = torch.is_grad_enabled() and (bool(trainable) or any(
-        (k if kk else x).requires_grad for x, k, kk in zip(inputs, kept, to_kept)))
+    needs_grad = torch.is_grad_enabled() and (bool(trainable) or any(t.requires_grad for t in grads_to))
     if not needs_grad:
         return _run_chunks(forward, inputs, chunk, copy_inputs=False)
     views = _SaveInputs.apply(*kept)
