@@ -15,12 +15,12 @@ recomputes each chunk once. Where later ops do save something (e.g. Gemma 2's po
 recompute continues through the MLP, as it must. Reentrant checkpointing always recomputes (3 forwards).
 
 An input that is a lean norm's output (bpt.norm.norm_source: the MLP's and the attention projections' inputs in most
-families) is kept as the norm's input instead, which the norm saves anyway, and the norm joins each chunk's backward:
-a chunk's rows are rebuilt by the norm's own forward (bitwise its output rows) and its gradient goes through the norm
-to the norm's input (and weights) within the chunk. So neither the normalised [B, N, hidden] tensor is held from
-forward to backward nor is its gradient ever whole: the backward's one whole buffer is the gradient of the norm's
-input (folding the norm in takes one [B, N, hidden] buffer off the layer's backward peak). The forward still uses the
-norm's output as given; the norm's own node gets no gradient from here.
+families) is kept as the norm's input instead, which the norm saves anyway, and a chunk's rows are rebuilt by the
+norm's own forward (bitwise its output rows): the normalised [B, N, hidden] tensor is not held from forward to
+backward. With `fold_norms` the norm also joins each chunk's backward: the gradient goes through the norm to its input
+(and weights) within the chunk, so the MLP's input gradient is never whole (one [B, N, hidden] buffer fewer at the
+layer's backward peak) and the norm's own node gets no gradient from here. Without it the gradient goes to the norm's
+output and the norm's own backward runs after, as stock's.
 """
 from __future__ import annotations
 
