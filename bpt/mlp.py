@@ -30,7 +30,7 @@ import torch
 
 from bpt import host_copies
 from bpt.norm import norm_source
-from bpt.recompute import (RngSnapshot, autocast_replayed, autocast_state, check_no_hidden_leaves,
+from bpt.recompute import (ChunkGradSums, RngSnapshot, autocast_replayed, autocast_state, check_no_hidden_leaves,
                            isolated_saved_tensors)
 
 
@@ -176,7 +176,7 @@ class _ChunkedMLP(torch.autograd.Function):
         wants = [ctx.needs_input_grad[5 + i + (n if fold else 0)] for i, fold in enumerate(ctx.to_kept)]
         grads_out = [torch.empty(shape, dtype=dtype, device=device) if want else None  # [B, N, ...]
                      for (shape, dtype, device), want in zip(ctx.grad_meta, wants)]
-        param_grads = [None] * len(params)  # fp32 accumulators
+        param_grads = ChunkGradSums(params)
         with ctx.rng.replayed(), autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
             for start, end in _spans(kept[0].shape[1], ctx.chunk):
                 leaves, pieces = _pieces(kept, ctx.norms, ctx.to_kept, wants, start, end)
@@ -190,16 +190,10 @@ class _ChunkedMLP(torch.autograd.Function):
                     if leaf.requires_grad:
                         g = next(grads)
                         grads_out[i][:, start:end] = 0 if g is None else g
-                for j, g in enumerate(grads):
-                    if g is None:  # parameter unused by this chunk (an MoE expert no token picked)
-                        continue
-                    if param_grads[j] is None:  # our own buffer: g may alias a tensor autograd still holds
-                        param_grads[j] = torch.zeros_like(params[j], dtype=torch.promote_types(params[j].dtype,
-                                                                                                torch.float32))
-                    param_grads[j].add_(g)
+                        del g  # a chunk's gradient: not held beside the next chunk's
+                param_grads.add(grads)
         del kept
         host_copies.release(ctx.saver or ctx)
-        param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(param_grads, params)]
         input_grads = [None if fold else g for g, fold in zip(grads_out, ctx.to_kept)]
         kept_grads = [g if fold else None for g, fold in zip(grads_out, ctx.to_kept)]
-        return (None,) * 5 + (*input_grads, *kept_grads, *param_grads)
+        return (None,) * 5 + (*input_grads, *kept_grads, *param_grads.cast())

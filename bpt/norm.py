@@ -18,7 +18,8 @@ from typing import Callable, Sequence
 import torch
 
 from bpt import host_copies
-from bpt.recompute import autocast_replayed, autocast_state, check_no_hidden_leaves, isolated_saved_tensors
+from bpt.recompute import (ChunkGradSums, autocast_replayed, autocast_state, check_no_hidden_leaves,
+                           isolated_saved_tensors)
 
 
 def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor, *, rows: int | Callable[[], int],
@@ -112,7 +113,7 @@ class _LeanNorm(torch.autograd.Function):
         flat_g = grad_out.reshape(flat_x.shape[0], *grad_out.shape[len(lead):])  # [R, *D']
         want_x = ctx.needs_input_grad[3]
         grad_x = torch.empty_like(flat_x) if want_x else None  # [R, *D]
-        param_grads = [None] * len(params)  # fp32 accumulators
+        param_grads = ChunkGradSums(params)
         rows = _check_rows(ctx.rows_now())
         with autocast_replayed(ctx.autocast), torch.enable_grad(), isolated_saved_tensors():
             for start in range(0, flat_x.shape[0], rows):
@@ -126,13 +127,8 @@ class _LeanNorm(torch.autograd.Function):
                 if want_x:
                     g = next(grads)
                     grad_x[start:end] = 0 if g is None else g
-                for j, g in enumerate(grads):
-                    if g is None:
-                        continue
-                    if param_grads[j] is None:
-                        param_grads[j] = torch.zeros_like(params[j], dtype=torch.promote_types(params[j].dtype, torch.float32))
-                    param_grads[j].add_(g)
+                    del g  # a chunk's gradient: not held beside the next chunk's
+                param_grads.add(grads)
                 del y, leaf
         host_copies.release(ctx)
-        param_grads = [None if g is None else g.to(p.dtype) for g, p in zip(param_grads, params)]
-        return (None, None, None, None if grad_x is None else grad_x.view(x.shape), *param_grads)
+        return (None, None, None, None if grad_x is None else grad_x.view(x.shape), *param_grads.cast())

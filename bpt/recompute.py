@@ -1,7 +1,7 @@
 """What every recompute-in-backward op here shares (bpt.mlp's chunked MLP, bpt.norm's lean norm, bpt.loss,
 patches/checkpoint_stride.py): replaying the forward's RNG streams and autocast state, keeping an inner graph's saved
-tensors away from the caller's hooks, and failing loudly when the recomputed forward used a trainable tensor it was
-not given."""
+tensors away from the caller's hooks, failing loudly when the recomputed forward used a trainable tensor it was
+not given, and summing parameter gradients over chunks."""
 from __future__ import annotations
 
 import contextlib
@@ -77,3 +77,24 @@ def check_no_hidden_leaves(y: torch.Tensor, known: Sequence[torch.Tensor], calle
             raise RuntimeError(f"{caller}: forward uses a trainable tensor of shape {tuple(leaf.shape)} that "
                                "was not passed in params; pass every parameter forward uses")
         stack.extend(next_node for next_node, _ in node.next_functions)
+
+
+class ChunkGradSums:
+    """Each parameter's gradient summed over a backward's chunks in float32 (or wider), cast to its dtype once."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.params, self.sums = params, [None] * len(params)
+
+    def add(self, grads) -> None:
+        """One chunk's gradients, in the order of `params`; None: a parameter this chunk did not use (an MoE expert
+        no token picked)."""
+        for j, g in enumerate(grads):
+            if g is None:
+                continue
+            if self.sums[j] is None:  # our own buffer: g may alias a tensor autograd still holds
+                p = self.params[j]
+                self.sums[j] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+            self.sums[j].add_(g)
+
+    def cast(self) -> list[torch.Tensor | None]:
+        return [None if g is None else g.to(p.dtype) for g, p in zip(self.sums, self.params)]
