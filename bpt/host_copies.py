@@ -64,6 +64,11 @@ def _copy_of(t) -> tuple[HostCopy, bool] | None:
     return entry[:2] if entry is not None and entry[2] == _layout(t) else None
 
 
+def registered(t: torch.Tensor) -> bool:
+    """Whether `t` is saved as its host copy (a registered layer input, or the one fetched for its recompute)."""
+    return _copy_of(t) is not None
+
+
 def save(ctx, *tensors: torch.Tensor) -> None:
     """`ctx.save_for_backward(*tensors)`, a registered tensor saved as its host copy instead. A forward and its
     checkpoint's recompute save the same tensors, so the recompute's saved tensors still match the forward's."""

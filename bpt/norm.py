@@ -97,12 +97,15 @@ class _LeanNorm(torch.autograd.Function):
             return _checked(forward(x), x, norm_dims)
         # chunk by chunk, as backward: the forward's own fp32 temporaries exist for one chunk only
         first = _checked(forward(flat_x[:rows]), flat_x[:rows], norm_dims)  # [r, *D']
-        out = first.new_empty((flat_x.shape[0], *first.shape[1:]))
-        out[:rows] = first
+        # made in the output's shape, not a view of a flat one: whoever drops the output's memory
+        # (patches/spent_input.py) drops all of it
+        out = first.new_empty((*lead, *first.shape[1:]))
+        flat_out = out.view(-1, *first.shape[1:])  # [R, *D']
+        flat_out[:rows] = first
         del first
         for start in range(rows, flat_x.shape[0], rows):
-            out[start:start + rows] = forward(flat_x[start:start + rows])
-        return out.view(*lead, *out.shape[1:])
+            flat_out[start:start + rows] = forward(flat_x[start:start + rows])
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -36,6 +36,7 @@ from patches.lm_head import causal_lm_forward
 from patches.lora_inputs import input_cast_skipping_round_trips, is_lora_layer
 from patches.checkpoint_stride import strided_forward
 from patches.offload import offloading_forward
+from patches.spent_input import AttentionInput
 from patches.masks import bpt_mask
 from patches.norms import lean_norm_forward, per_token_norm_dims
 from patches.own_attention import attention_weights_forward, config_view
@@ -190,9 +191,12 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
             handle.set(attention, EMPTY_ROWS_ATTR, empty_rows)
             if family.bound_attention:
                 handle.set(attention, "forward", BINDERS[family.bound_attention](attention))
+            readers = [getattr(attention, name, None) for name in family.attention_input_readers]
+            shared_input = AttentionInput(len(readers)) if readers and all(map(is_lora_layer, readers)) else None
             for module in attention.modules():  # LoRA projections (q / k / v / o, fused or not): token chunks
                 if is_lora_layer(module):
-                    handle.set(module, "forward", _chunked_projection_forward(module, module.forward, config))
+                    reads = shared_input if any(module is r for r in readers) else None
+                    handle.set(module, "forward", _chunked_projection_forward(module, module.forward, config, reads))
             patched_attention += 1
         mlp = getattr(layer, family.mlp)
         handle.set(mlp, "forward", _chunked_mlp_forward(mlp, mlp.forward, config))
@@ -220,10 +224,12 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     handle.set(hf_model, _HANDLE_ATTR, handle)  # last: is_patched is True only for a complete patch
 
 
-def _chunked_projection_forward(module, original, config: BPTConfig):
+def _chunked_projection_forward(module, original, config: BPTConfig, attention_input: AttentionInput | None = None):
     """A LoRA projection of the attention run in sequence chunks where a chunk budget exists and the whole would not
     fit it: peft's LoRA forward holds the base output, its defensive clone, the adapter's output and its scaled copy
-    over every token at once (4 x [N, out] at the output projection; 24 GiB at 1M tokens of Llama-3.1-8B)."""
+    over every token at once (4 x [N, out] at the output projection; 24 GiB at 1M tokens of Llama-3.1-8B).
+    attention_input: where this projection is one of the row's named readers of the attention's input
+    (patches/spent_input.py)."""
 
     def forward(x, *args, **kwargs):
         if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 3 or not config.largest_budget(x.device):
@@ -232,7 +238,10 @@ def _chunked_projection_forward(module, original, config: BPTConfig):
         if chunk is None:
             return original(x)
         # q, k and v share the norm before them: its backward runs once, over their summed gradient, as stock's does
-        return chunked_mlp(original, list(module.parameters()), x, chunk=chunk, fold_norms=False)
+        out = chunked_mlp(original, list(module.parameters()), x, chunk=chunk, fold_norms=False)
+        if attention_input is not None:
+            attention_input.read(module, x)
+        return out
 
     return forward
 

@@ -41,6 +41,12 @@ class Family:
     # temporaries recomputed one chunk at a time in backward (patches/norms.py says which modules count).
     # False leaves a family's norms stock.
     lean_norms: bool = True
+    # The attention's submodules that read its input, where they are that input's only readers in the decoder layer
+    # (a sequential pre-norm layer: the input norm's output goes to the attention alone, and there to these
+    # projections alone). Once the last of them has read it, patches/spent_input.py drops it from the device (under
+    # checkpoint offload, where the projections keep the norm's input as its host copy). Empty: kept, as stock keeps it.
+    # A parallel layer (Cohere, GPT-J, Phi: the MLP reads the same normed input) must leave it empty.
+    attention_input_readers: tuple[str, ...] = ()
 
     def packs(self) -> bool:
         """Whether stock transformers, as installed, keeps packed documents apart for this family."""
@@ -58,14 +64,16 @@ class Family:
 
 
 LLAMA_LIKE = Family()
+# Llama-shaped layers checked to read the normed input by q / k / v only (their modeling code, tests/test_spent_input.py)
+PRE_NORM_QKV = Family(attention_input_readers=("q_proj", "k_proj", "v_proj"))
 
 FAMILIES: dict[str, Family] = {
-    "llama": LLAMA_LIKE,
-    "mistral": LLAMA_LIKE,
-    "mixtral": LLAMA_LIKE,
-    "qwen2": LLAMA_LIKE,
-    "qwen3": LLAMA_LIKE,
-    "gemma": LLAMA_LIKE,
+    "llama": PRE_NORM_QKV,
+    "mistral": PRE_NORM_QKV,
+    "mixtral": PRE_NORM_QKV,
+    "qwen2": PRE_NORM_QKV,
+    "qwen3": PRE_NORM_QKV,
+    "gemma": PRE_NORM_QKV,
     "gemma2": Family(logit_softcap="final_logit_softcapping"),
     "phi3": LLAMA_LIKE,
     "gpt_neox": Family(base="gpt_neox", attention="attention"),

@@ -45,6 +45,7 @@ SOFTMAX = {aten._log_softmax, aten._log_softmax_backward_data, aten._softmax, at
 TRANSCENDENTAL = {aten.exp, aten.log, aten.silu, aten.silu_backward, aten.sigmoid, aten.sigmoid_backward,
                   aten.tanh, aten.tanh_backward, aten.gelu, aten.gelu_backward, aten.rsqrt, aten.sqrt, aten.pow,
                   aten.sin, aten.cos, aten.erf}
+RATES_VERSION = 2  # of what bpt.gpusim.rates measures: a cache from another version is measured again
 FRESH_BLOCK = 128 * 1024  # CPU: blocks from this size on are fresh mmaps (the bench's malloc setting): page faults
 
 
@@ -114,7 +115,7 @@ def cpu_rates(cache_dir: Path | None = None) -> Rates:
     from bpt.gpusim.rates import measure_rates
 
     cpu = _cpu_model()
-    key = hashlib.sha1(f"{cpu}|{torch.__version__}|{torch.get_num_threads()}|"
+    key = hashlib.sha1(f"{RATES_VERSION}|{cpu}|{torch.__version__}|{torch.get_num_threads()}|"
                        f"{torch.backends.cpu.get_cpu_capability()}".encode()).hexdigest()[:12]
     cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "bpt"
     path = cache_dir / f"rates-cpu-{key}.json"

@@ -1,0 +1,119 @@
+"""patches/spent_input.py: under checkpoint offload, the attention's normed input is dropped once the projections the
+family's row names have read it (in the forward and in the checkpoint's recompute), with the loss and gradients
+bitwise those of the run without offload, and one [B, N, hidden] tensor fewer at the recompute's peak."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from bpt.gpusim.tracker import AllocationTracker
+from patches import apply_bpt_patch, families
+from patches.spent_input import AttentionInput
+from test_offload import assert_bitwise, checkpointed
+from test_patches import SMALL_BLOCKS, loss_and_grads, make_batch
+from tiny_models import tiny_model
+
+NAMED = sorted(name for name, row in families.FAMILIES.items() if row.attention_input_readers)
+BUDGET = dict(SMALL_BLOCKS, chunk_budget=4096)  # a small budget: the projections run in chunks on a CPU too
+
+
+def lora(model, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj")):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                            target_modules=list(targets)))
+
+
+def _drops(monkeypatch) -> list:
+    """Records every attention input dropped (its storage one element)."""
+    dropped, read = [], AttentionInput.read
+
+    def recording_read(self, reader, x):
+        read(self, reader, x)
+        if x.untyped_storage().nbytes() == x.element_size():
+            dropped.append(tuple(x.shape))
+
+    monkeypatch.setattr(AttentionInput, "read", recording_read)
+    return dropped
+
+
+def test_the_rows_that_name_readers():
+    """Sequential pre-norm layers whose attention reads its input by q / k / v alone; a parallel layer (the MLP reads
+    the same normed input) names none."""
+    assert NAMED == ["gemma", "llama", "mistral", "mixtral", "qwen2", "qwen3"]
+    assert all(families.FAMILIES[name].attention_input_readers == ("q_proj", "k_proj", "v_proj") for name in NAMED)
+    assert families.FAMILIES["cohere"].attention_input_readers == ()
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_dropped_after_its_readers_bitwise_the_run_without_offload(name, monkeypatch):
+    model = checkpointed(lora(tiny_model(name)))
+    resident = copy.deepcopy(model)
+    apply_bpt_patch(resident, **BUDGET)
+    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    dropped = _drops(monkeypatch)
+    inputs = make_batch("packed")
+    expected = loss_and_grads(resident, inputs)
+    assert not dropped  # without offload the layer input stays on the device: so does the normed input
+    got = loss_and_grads(model, inputs)
+    layers = model.config.num_hidden_layers
+    assert len(dropped) == 2 * layers  # in each layer's forward and in its recompute
+    assert_bitwise(expected, got)
+
+
+def test_bf16_autocast_bitwise():
+    model = checkpointed(lora(tiny_model("llama")))
+    resident = copy.deepcopy(model)
+    apply_bpt_patch(resident, **BUDGET)
+    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    inputs = make_batch("plain")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
+
+
+def test_a_projection_left_stock_keeps_it(monkeypatch):
+    """LoRA on q and v only: k_proj reads the input as stock does (and saves it): it is never dropped."""
+    model = checkpointed(lora(tiny_model("llama"), targets=("q_proj", "v_proj")))
+    resident = copy.deepcopy(model)
+    apply_bpt_patch(resident, **BUDGET)
+    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    dropped = _drops(monkeypatch)
+    inputs = make_batch("plain")
+    assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
+    assert not dropped
+
+
+def test_a_wrong_row_poisons_the_loss_rather_than_passing(monkeypatch):
+    """Cohere's MLP reads the attention's normed input too (a parallel layer): a row naming q / k / v there would drop
+    it before the MLP reads it, and the step's loss is NaN, not a plausible number."""
+    row = dataclasses.replace(families.FAMILIES["cohere"], attention_input_readers=("q_proj", "k_proj", "v_proj"))
+    monkeypatch.setitem(families.FAMILIES, "cohere", row)
+    model = checkpointed(lora(tiny_model("cohere")))
+    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    loss, _ = loss_and_grads(model, make_batch("plain"))
+    assert torch.isnan(loss)
+
+
+def test_the_recompute_holds_one_normed_input_less_at_the_output_projection(monkeypatch):
+    """What is live when a layer's recompute reaches its output projection (the recompute's peak at long context) is
+    one [B, N, hidden] tensor less: counted on the CPU tensors by the simulator's tracker."""
+    inputs = make_batch("plain", batch=1, length=256)
+    live = {}
+    for readers in (("q_proj", "k_proj", "v_proj"), ()):
+        monkeypatch.setitem(families.FAMILIES, "llama",
+                            dataclasses.replace(families.FAMILIES["llama"], attention_input_readers=readers))
+        model = checkpointed(lora(tiny_model("llama", hidden_size=128, intermediate_size=128)))
+        apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+        seen = live[readers] = []
+        for layer in model.base_model.model.model.layers:
+            layer.self_attn.o_proj.register_forward_pre_hook(
+                lambda *_: seen.append(tracker.live) if torch._C._current_graph_task_id() != -1 else None)
+        with AllocationTracker() as tracker:
+            loss_and_grads(model, inputs)
+        assert len(seen) == model.config.num_hidden_layers  # once per layer, in its recompute
+    hidden, nan = 256 * 128 * 4, 4  # the dropped tensor, and the one NaN left in its place
+    assert all(kept - dropped == hidden - nan for kept, dropped in zip(live[()], live[("q_proj", "k_proj", "v_proj")])), live
