@@ -69,6 +69,12 @@ def registered(t: torch.Tensor) -> bool:
     return _copy_of(t) is not None
 
 
+def recomputed(t: torch.Tensor) -> bool:
+    """Whether `t` is the copy fetched back for a checkpoint's recompute (registered without users)."""
+    entry = _copy_of(t)
+    return entry is not None and not entry[1]
+
+
 def save(ctx, *tensors: torch.Tensor) -> None:
     """`ctx.save_for_backward(*tensors)`, a registered tensor saved as its host copy instead. A forward and its
     checkpoint's recompute save the same tensors, so the recompute's saved tensors still match the forward's."""

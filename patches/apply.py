@@ -36,7 +36,7 @@ from patches.lm_head import causal_lm_forward
 from patches.lora_inputs import input_cast_skipping_round_trips, is_lora_layer
 from patches.checkpoint_stride import strided_forward
 from patches.offload import offloading_forward
-from patches.spent_input import AttentionInput
+from patches.spent_input import AttentionInput, LayerInput
 from patches.masks import bpt_mask
 from patches.norms import lean_norm_forward, per_token_norm_dims
 from patches.own_attention import attention_weights_forward, config_view
@@ -183,6 +183,7 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     base = getattr(hf_model, family.base)
     empty_rows = stock_empty_rows(hf_model.config._attn_implementation)
     patched_attention = 0
+    layer_inputs = []  # per decoder layer: its input's first reader and the module called after its last read
     for layer in getattr(base, family.layers):
         # A hybrid row's recurrent layers have no attention module: left stock (Family.attention_of).
         attention = family.attention_of(layer)
@@ -200,12 +201,19 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
             patched_attention += 1
         mlp = getattr(layer, family.mlp)
         handle.set(mlp, "forward", _chunked_mlp_forward(mlp, mlp.forward, config))
+        span = [getattr(layer, name, None) for name in family.layer_input_span]
+        if config.offload_checkpoints and span and all(m is not None for m in span):
+            layer_inputs.append(span)
     if patched_attention == 0:  # a hybrid row whose attention attribute is wrong would otherwise patch nothing
         raise UnsupportedModelError(f"no decoder layer of this {hf_model.config.model_type!r} model has attention at "
                                     f"layer.{family.attention}: nothing to patch (is its row in FAMILIES right?)")
     _patch_rotary(hf_model, family, base, config, handle)
     if family.lean_norms:
         _patch_norms(hf_model, config, handle)
+    for first, last in layer_inputs:  # after the norms: both are norms, their forwards the lean ones
+        layer_input = LayerInput()
+        handle.set(first, "forward", layer_input.first_reader_forward(first.forward))
+        handle.set(last, "forward", layer_input.last_reader_forward(last.forward))
     for module in hf_model.modules():  # present when the patch is applied after get_peft_model, as the recipe does
         if is_lora_layer(module):
             handle.set(module, "_cast_input_dtype", input_cast_skipping_round_trips(module, module._cast_input_dtype))

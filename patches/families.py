@@ -47,6 +47,12 @@ class Family:
     # checkpoint offload, where the projections keep the norm's input as its host copy). Empty: kept, as stock keeps it.
     # A parallel layer (Cohere, GPT-J, Phi: the MLP reads the same normed input) must leave it empty.
     attention_input_readers: tuple[str, ...] = ()
+    # The decoder layer's module that reads its input first (the input norm), and the one called once the layer has
+    # read its input for the last time (a sequential pre-norm layer: the post-attention norm, called on the residual
+    # sum). In a checkpoint's recompute under offload the layer input is dropped from the device then
+    # (patches/spent_input.py). Empty: kept. Gemma 2 normalises the attention's output before the residual add: its
+    # post-attention norm comes before that last read.
+    layer_input_span: tuple[str, ...] = ()
 
     def packs(self) -> bool:
         """Whether stock transformers, as installed, keeps packed documents apart for this family."""
@@ -64,8 +70,10 @@ class Family:
 
 
 LLAMA_LIKE = Family()
-# Llama-shaped layers checked to read the normed input by q / k / v only (their modeling code, tests/test_spent_input.py)
-PRE_NORM_QKV = Family(attention_input_readers=("q_proj", "k_proj", "v_proj"))
+# Llama-shaped layers checked to read the normed input by q / k / v alone and the layer input before the post-attention
+# norm alone (their modeling code, tests/test_spent_input.py)
+PRE_NORM_QKV = Family(attention_input_readers=("q_proj", "k_proj", "v_proj"),
+                      layer_input_span=("input_layernorm", "post_attention_layernorm"))
 
 FAMILIES: dict[str, Family] = {
     "llama": PRE_NORM_QKV,

@@ -1,6 +1,7 @@
 """patches/spent_input.py: under checkpoint offload, the attention's normed input is dropped once the projections the
-family's row names have read it (in the forward and in the checkpoint's recompute), with the loss and gradients
-bitwise those of the run without offload, and one [B, N, hidden] tensor fewer at the recompute's peak."""
+family's row names have read it (in the forward and in the checkpoint's recompute), and the layer's input in the
+recompute once the module the row names is called; the loss and gradients bitwise those of the run without offload,
+one [B, N, hidden] tensor fewer each where the recompute's peak was."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,7 @@ import torch
 
 from bpt.gpusim.tracker import AllocationTracker
 from patches import apply_bpt_patch, families
-from patches.spent_input import AttentionInput
+from patches.spent_input import AttentionInput, LayerInput
 from test_offload import assert_bitwise, checkpointed
 from test_patches import SMALL_BLOCKS, loss_and_grads, make_batch
 from tiny_models import tiny_model
@@ -29,15 +30,27 @@ def lora(model, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "d
 
 
 def _drops(monkeypatch) -> list:
-    """Records every attention input dropped (its storage one element)."""
-    dropped, read = [], AttentionInput.read
+    """Records every attention input and layer input dropped (its storage then one element)."""
+    dropped, read, last_reader = [], AttentionInput.read, LayerInput.last_reader_forward
 
     def recording_read(self, reader, x):
         read(self, reader, x)
         if x.untyped_storage().nbytes() == x.element_size():
-            dropped.append(tuple(x.shape))
+            dropped.append("attention input")
+
+    def recording_last_reader(self, original):
+        forward = last_reader(self, original)
+
+        def recording(*args, **kwargs):
+            x = self._input() if self._input is not None else None
+            out = forward(*args, **kwargs)
+            if x is not None and x.untyped_storage().nbytes() == x.element_size():
+                dropped.append("layer input")
+            return out
+        return recording
 
     monkeypatch.setattr(AttentionInput, "read", recording_read)
+    monkeypatch.setattr(LayerInput, "last_reader_forward", recording_last_reader)
     return dropped
 
 
@@ -46,22 +59,26 @@ def test_the_rows_that_name_readers():
     the same normed input) names none."""
     assert NAMED == ["gemma", "llama", "mistral", "mixtral", "qwen2", "qwen3"]
     assert all(families.FAMILIES[name].attention_input_readers == ("q_proj", "k_proj", "v_proj") for name in NAMED)
+    assert all(families.FAMILIES[name].layer_input_span == ("input_layernorm", "post_attention_layernorm")
+               for name in NAMED)
     assert families.FAMILIES["cohere"].attention_input_readers == ()
+    assert families.FAMILIES["gemma2"].layer_input_span == ()
 
 
 @pytest.mark.parametrize("name", NAMED)
 def test_dropped_after_its_readers_bitwise_the_run_without_offload(name, monkeypatch):
     model = checkpointed(lora(tiny_model(name)))
     resident = copy.deepcopy(model)
+    dropped = _drops(monkeypatch)
     apply_bpt_patch(resident, **BUDGET)
     apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
-    dropped = _drops(monkeypatch)
     inputs = make_batch("packed")
     expected = loss_and_grads(resident, inputs)
     assert not dropped  # without offload the layer input stays on the device: so does the normed input
     got = loss_and_grads(model, inputs)
     layers = model.config.num_hidden_layers
-    assert len(dropped) == 2 * layers  # in each layer's forward and in its recompute
+    # the attention's input in each layer's forward and in its recompute, the layer input in its recompute
+    assert sorted(dropped) == ["attention input"] * (2 * layers) + ["layer input"] * layers
     assert_bitwise(expected, got)
 
 
@@ -79,12 +96,12 @@ def test_a_projection_left_stock_keeps_it(monkeypatch):
     """LoRA on q and v only: k_proj reads the input as stock does (and saves it): it is never dropped."""
     model = checkpointed(lora(tiny_model("llama"), targets=("q_proj", "v_proj")))
     resident = copy.deepcopy(model)
+    dropped = _drops(monkeypatch)
     apply_bpt_patch(resident, **BUDGET)
     apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
-    dropped = _drops(monkeypatch)
     inputs = make_batch("plain")
     assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
-    assert not dropped
+    assert "attention input" not in dropped
 
 
 def test_a_wrong_row_poisons_the_loss_rather_than_passing(monkeypatch):
@@ -98,14 +115,26 @@ def test_a_wrong_row_poisons_the_loss_rather_than_passing(monkeypatch):
     assert torch.isnan(loss)
 
 
+def test_a_wrong_layer_row_poisons_the_gradients_rather_than_passing(monkeypatch):
+    """Gemma 2 normalises the attention's output before the residual add reads the layer input: a row naming its
+    post-attention norm would drop that input too early in the recompute, and the gradients are NaN."""
+    row = dataclasses.replace(families.FAMILIES["gemma2"],
+                              layer_input_span=("input_layernorm", "post_attention_layernorm"))
+    monkeypatch.setitem(families.FAMILIES, "gemma2", row)
+    model = checkpointed(lora(tiny_model("gemma2")))
+    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    _, grads = loss_and_grads(model, make_batch("plain"))
+    assert any(torch.isnan(g).any() for g in grads.values())
+
+
 def test_the_recompute_holds_one_normed_input_less_at_the_output_projection(monkeypatch):
     """What is live when a layer's recompute reaches its output projection (the recompute's peak at long context) is
     one [B, N, hidden] tensor less: counted on the CPU tensors by the simulator's tracker."""
     inputs = make_batch("plain", batch=1, length=256)
     live = {}
     for readers in (("q_proj", "k_proj", "v_proj"), ()):
-        monkeypatch.setitem(families.FAMILIES, "llama",
-                            dataclasses.replace(families.FAMILIES["llama"], attention_input_readers=readers))
+        monkeypatch.setitem(families.FAMILIES, "llama", dataclasses.replace(
+            families.FAMILIES["llama"], attention_input_readers=readers, layer_input_span=()))
         model = checkpointed(lora(tiny_model("llama", hidden_size=128, intermediate_size=128)))
         apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
         seen = live[readers] = []
@@ -117,3 +146,25 @@ def test_the_recompute_holds_one_normed_input_less_at_the_output_projection(monk
         assert len(seen) == model.config.num_hidden_layers  # once per layer, in its recompute
     hidden, nan = 256 * 128 * 4, 4  # the dropped tensor, and the one NaN left in its place
     assert all(kept - dropped == hidden - nan for kept, dropped in zip(live[()], live[("q_proj", "k_proj", "v_proj")])), live
+
+
+def test_the_recompute_holds_the_layer_input_no_longer_once_the_residual_add_has_read_it(monkeypatch):
+    """What is live when a layer's recompute reaches its MLP (past the post-attention norm) is one [B, N, hidden]
+    tensor less: the layer input, which the norm's and projections' backward fetch again from its host copy."""
+    inputs = make_batch("plain", batch=1, length=256)
+    live = {}
+    span = ("input_layernorm", "post_attention_layernorm")
+    for last_reader in (span, ()):
+        monkeypatch.setitem(families.FAMILIES, "llama", dataclasses.replace(
+            families.FAMILIES["llama"], layer_input_span=last_reader))
+        model = checkpointed(lora(tiny_model("llama", hidden_size=128, intermediate_size=128)))
+        apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+        seen = live[last_reader] = []
+        for layer in model.base_model.model.model.layers:
+            layer.mlp.register_forward_pre_hook(
+                lambda *_: seen.append(tracker.live) if torch._C._current_graph_task_id() != -1 else None)
+        with AllocationTracker() as tracker:
+            loss_and_grads(model, inputs)
+        assert len(seen) == model.config.num_hidden_layers  # once per layer, in its recompute
+    hidden, nan = 256 * 128 * 4, 4
+    assert all(kept - dropped == hidden - nan for kept, dropped in zip(live[()], live[span])), live
