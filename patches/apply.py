@@ -193,7 +193,8 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
             if family.bound_attention:
                 handle.set(attention, "forward", BINDERS[family.bound_attention](attention))
             readers = [getattr(attention, name, None) for name in family.attention_input_readers]
-            shared_input = AttentionInput(len(readers)) if readers and all(map(is_lora_layer, readers)) else None
+            shared_input = AttentionInput(len(readers)) \
+                if config.offload_checkpoints and readers and all(map(is_lora_layer, readers)) else None
             for module in attention.modules():  # LoRA projections (q / k / v / o, fused or not): token chunks
                 if is_lora_layer(module):
                     reads = shared_input if any(module is r for r in readers) else None
