@@ -258,12 +258,11 @@ def test_patch_models_loaded_later(tmp_path):
     assert not is_patched(AutoModelForCausalLM.from_pretrained(tmp_path))
 
 
-def lora(model, seed=0):
+def lora(model, seed=0, targets=("q_proj", "v_proj", "gate_proj", "down_proj")):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                        target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=list(targets))
     return get_peft_model(model, config)
 
 

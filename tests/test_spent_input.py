@@ -15,6 +15,7 @@ from patches import apply_bpt_patch, families
 from patches.spent_input import AttentionInput, LayerInput
 from test_offload import assert_bitwise, checkpointed
 from test_patches import SMALL_BLOCKS, loss_and_grads, make_batch
+from test_patches import lora as lora_on
 from tiny_models import tiny_model
 
 NAMED = sorted(name for name, row in families.FAMILIES.items() if row.attention_input_readers)
@@ -22,11 +23,27 @@ BUDGET = dict(SMALL_BLOCKS, chunk_budget=4096)  # a small budget: the projection
 
 
 def lora(model, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj")):
-    from peft import LoraConfig, get_peft_model
+    """LoRA on every projection the rows name (test_patches' default leaves k_proj stock)."""
+    return lora_on(model, targets=targets)
 
-    torch.manual_seed(0)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                            target_modules=list(targets)))
+
+def _live_in_recompute(monkeypatch, row_changes: dict, module_of) -> list[int]:
+    """Bytes live (the simulator's tracker, on CPU tensors) each time a layer's recompute calls `module_of(layer)`,
+    with the llama row changed by `row_changes`; once per layer."""
+    monkeypatch.setitem(families.FAMILIES, "llama", dataclasses.replace(families.FAMILIES["llama"], **row_changes))
+    model = checkpointed(lora(tiny_model("llama", hidden_size=128, intermediate_size=128)))
+    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    seen = []
+    for layer in model.base_model.model.model.layers:
+        module_of(layer).register_forward_pre_hook(
+            lambda *_: seen.append(tracker.live) if torch._C._current_graph_task_id() != -1 else None)
+    with AllocationTracker() as tracker:
+        loss_and_grads(model, make_batch("plain", batch=1, length=256))
+    assert len(seen) == model.config.num_hidden_layers  # once per layer, in its recompute
+    return seen
+
+
+HIDDEN, NAN = 256 * 128 * 4, 4  # one [B, N, hidden] fp32 tensor of those steps, and the one NaN left in its place
 
 
 def _drops(monkeypatch) -> list:
@@ -129,42 +146,17 @@ def test_a_wrong_layer_row_poisons_the_gradients_rather_than_passing(monkeypatch
 
 def test_the_recompute_holds_one_normed_input_less_at_the_output_projection(monkeypatch):
     """What is live when a layer's recompute reaches its output projection (the recompute's peak at long context) is
-    one [B, N, hidden] tensor less: counted on the CPU tensors by the simulator's tracker."""
-    inputs = make_batch("plain", batch=1, length=256)
-    live = {}
-    for readers in (("q_proj", "k_proj", "v_proj"), ()):
-        monkeypatch.setitem(families.FAMILIES, "llama", dataclasses.replace(
-            families.FAMILIES["llama"], attention_input_readers=readers, layer_input_span=()))
-        model = checkpointed(lora(tiny_model("llama", hidden_size=128, intermediate_size=128)))
-        apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
-        seen = live[readers] = []
-        for layer in model.base_model.model.model.layers:
-            layer.self_attn.o_proj.register_forward_pre_hook(
-                lambda *_: seen.append(tracker.live) if torch._C._current_graph_task_id() != -1 else None)
-        with AllocationTracker() as tracker:
-            loss_and_grads(model, inputs)
-        assert len(seen) == model.config.num_hidden_layers  # once per layer, in its recompute
-    hidden, nan = 256 * 128 * 4, 4  # the dropped tensor, and the one NaN left in its place
-    assert all(kept - dropped == hidden - nan for kept, dropped in zip(live[()], live[("q_proj", "k_proj", "v_proj")])), live
+    one [B, N, hidden] tensor less."""
+    at_o_proj = lambda layer: layer.self_attn.o_proj  # noqa: E731
+    dropped = _live_in_recompute(monkeypatch, dict(layer_input_span=()), at_o_proj)
+    kept = _live_in_recompute(monkeypatch, dict(layer_input_span=(), attention_input_readers=()), at_o_proj)
+    assert all(k - d == HIDDEN - NAN for k, d in zip(kept, dropped)), (kept, dropped)
 
 
 def test_the_recompute_holds_the_layer_input_no_longer_once_the_residual_add_has_read_it(monkeypatch):
     """What is live when a layer's recompute reaches its MLP (past the post-attention norm) is one [B, N, hidden]
     tensor less: the layer input, which the norm's and projections' backward fetch again from its host copy."""
-    inputs = make_batch("plain", batch=1, length=256)
-    live = {}
-    span = ("input_layernorm", "post_attention_layernorm")
-    for last_reader in (span, ()):
-        monkeypatch.setitem(families.FAMILIES, "llama", dataclasses.replace(
-            families.FAMILIES["llama"], layer_input_span=last_reader))
-        model = checkpointed(lora(tiny_model("llama", hidden_size=128, intermediate_size=128)))
-        apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
-        seen = live[last_reader] = []
-        for layer in model.base_model.model.model.layers:
-            layer.mlp.register_forward_pre_hook(
-                lambda *_: seen.append(tracker.live) if torch._C._current_graph_task_id() != -1 else None)
-        with AllocationTracker() as tracker:
-            loss_and_grads(model, inputs)
-        assert len(seen) == model.config.num_hidden_layers  # once per layer, in its recompute
-    hidden, nan = 256 * 128 * 4, 4
-    assert all(kept - dropped == hidden - nan for kept, dropped in zip(live[()], live[span])), live
+    at_mlp = lambda layer: layer.mlp  # noqa: E731
+    dropped = _live_in_recompute(monkeypatch, {}, at_mlp)
+    kept = _live_in_recompute(monkeypatch, dict(layer_input_span=()), at_mlp)
+    assert all(k - d == HIDDEN - NAN for k, d in zip(kept, dropped)), (kept, dropped)
