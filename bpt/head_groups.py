@@ -7,8 +7,9 @@ largest item at the step's peak). Every head's backward depends on that head alo
 own query heads), so running the backward for some of the heads at a time gives the same gradients while holding
 one group's workspace. Where the whole does not fit, the split is by query head (`head_groups_for`): each call sees
 one query head and its key / value head (no GQA expansion), and a key / value head's gradients are summed over its
-query heads' calls in fp32. The forward is one call
-over every head, as stock's, and saves what stock's saves (q, k, v, out, logsumexp): no recompute. How many groups
+query heads' calls in fp32. The forward is one call over every head, as stock's, and saves what stock's saves (q,
+k, v, out, logsumexp): no recompute. Where checkpoint offload spills a recompute's tensors (bpt.host_copies.spilled),
+q, k and v wait for the backward on the host, and the copies it fetches take dq, dk and dv. How many groups
 is asked when backward runs (inside a checkpointed layer's backward, where the step's peak is), so the path itself
 must not depend on what is free: the caller takes it by the inputs' shapes (BPTConfig.attention_head_groups).
 
@@ -22,6 +23,8 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
+from bpt import host_copies
 
 aten = torch.ops.aten
 
@@ -75,24 +78,28 @@ class _HeadGroupedAttention(torch.autograd.Function):
         if q.device.type == "cpu":
             out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
             ctx.lengths = ()
-            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.save_for_backward(*map(host_copies.spilled, (q, k, v)), out, lse)
         else:
             out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
                 q, k, v, 0.0, is_causal, False, scale=scale)
             ctx.lengths = (max_q, max_k)
-            ctx.save_for_backward(q, k, v, out, lse, cum_q, cum_k, seed, offset)
+            ctx.save_for_backward(*map(host_copies.spilled, (q, k, v)), out, lse, cum_q, cum_k, seed, offset)
         ctx.scale, ctx.is_causal, ctx.groups_now = scale, is_causal, groups
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, *extras = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        (q, own_q), (k, own_k), (v, own_v) = map(host_copies.unspilled, saved[:3])
+        out, lse, *extras = saved[3:]
         groups, hq, hkv = ctx.groups_now(), q.shape[1], k.shape[1]
         if hkv % groups and (groups % hkv or hq % groups):
             raise ValueError(f"head_grouped_attention: {groups} groups neither divide the {hkv} key / value heads nor "
                              f"split each one's query heads ({hq} query heads)")
-        dq, dk, dv = torch.empty_like(q), None, None  # dk / dv made at their first write (with a single key /
-        # value head: after the last call, so never beside that call's workspace)
+        # q, k, v fetched back from the host are this backward's own: a head's gradient takes its place once the
+        # head's calls are done. Else dk / dv are made at their first write (with a single key / value head: after
+        # the last call, so never beside that call's workspace).
+        dq, dk, dv = q if own_q else torch.empty_like(q), None, None
         q_per_group, per_kv = hq // groups, max(1, groups // hkv)  # groups per key / value head
         kv_per_group = max(1, hkv // groups)
         summed = None  # fp32 dk / dv of one key / value head over its query-head groups
@@ -121,7 +128,8 @@ class _HeadGroupedAttention(torch.autograd.Function):
             del part_q, part_k, part_v  # before the next group's call: one group's parts alive at a time
             if done is not None:
                 if dk is None:
-                    dk, dv = torch.empty_like(k), torch.empty_like(v)
+                    dk = k if own_k else torch.empty_like(k)
+                    dv = v if own_v else torch.empty_like(v)
                 dk[:, ks].copy_(done[0])
                 dv[:, ks].copy_(done[1])
                 done = summed = None

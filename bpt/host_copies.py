@@ -8,17 +8,27 @@ the device, it would sit there through the MLP's and the attention's backward, t
 fetched when a backward first asks for it (`saved`): one copy back per layer, shared by every node that saved it and
 dropped when the last of them is done (`release`).
 
+The attention's q, k and v wait for a backward of their own as well: saved in the layer's recompute, they sit on the
+device through the rest of it and the MLP's backward, the layer's peak. While offload says so (`spill_to`: a backward
+recomputing a layer whose input is a host copy), a tensor is saved as a stand-in (`spilled`: its shape, dtype and
+device, one NaN of memory) whose host copy the backward fetches (`unspilled`) as a tensor of its own, whose memory
+may then take a result. A checkpoint checks a recompute's saved tensors against the forward's by shape, dtype and
+device, which the stand-in keeps.
+
 On CUDA, offload registers only layer inputs large enough that a copy is a small part of the layer's backward (the
 rule that stops its prefetch); on a CPU, every one, so the path is the one tests run.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 _COPIES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a device storage -> (HostCopy, users, tensor's layout)
+_SPILLED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a stand-in's storage -> its tensor's HostCopy
+_SPILL_TO = None  # weakly, the offload whose backward spills now (its `to_host(t) -> HostCopy`)
 
 
 class HostCopy:
@@ -99,3 +109,26 @@ def release(ctx) -> None:
         if copy is not None:
             copy.release()
     ctx.host_copies = None
+
+
+def spill_to(offload) -> None:
+    """`offload` (patches/offload.CheckpointOffload) takes what `spilled` is given from now on; None: nothing does."""
+    global _SPILL_TO
+    _SPILL_TO = None if offload is None else weakref.ref(offload)
+
+
+def spilled(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or while an offload spills (`spill_to`), a stand-in to save for backward in its place: a single NaN
+    expanded to its shape (its dtype and device), whose host copy `unspilled` fetches."""
+    offload = _SPILL_TO() if _SPILL_TO is not None else None
+    if offload is None:
+        return t
+    stand_in = t.new_full((1,) * t.dim(), float("nan")).expand(t.shape)
+    _SPILLED[stand_in.untyped_storage()] = offload.to_host(t)
+    return stand_in
+
+
+def unspilled(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the tensor `t` stands in for, fetched now: the caller's own, nothing else reads it, True), or (t, False)."""
+    copy = _SPILLED.get(t.untyped_storage())
+    return (t, False) if copy is None else (copy.fetch(), True)

@@ -13,6 +13,8 @@ model's forward move every such tensor to the host as it is saved, and back in b
 - such a large layer input is also registered with bpt.host_copies: inside the layer, its input norm and projections
   save it as this host copy, fetched once more after the layer's MLP and attention backward (on a CPU, every layer
   input, the tests' path).
+- in such a layer's recompute the attention's q, k and v go to the host as well (bpt.host_copies.spilled), and come
+  back when its backward runs, as that backward's own tensors (their memory takes the gradients).
 - on CPU (and in the simulation) the copy is a plain one, made when saved and undone when needed.
 - a long step's frozen input embedding and LM head wait on the host through the backward (patches/idle_weights.py).
 transformers' `activation_checkpointing_enable(offload=True)` wraps each layer's checkpoint in torch's `save_on_cpu`:
@@ -57,6 +59,7 @@ class CheckpointOffload:
         self.device = None
         self.embedding_output = None  # weakly, the embedding's output, until it is handed over to its host copy
         self.embedding_packed = None  # its _Saved, where it is the first layer's input
+        self.in_backward = False
 
     def offloads(self, t: torch.Tensor) -> bool:
         if isinstance(t, torch.nn.Parameter) or not t.is_floating_point() or t.device.type == "meta":
@@ -71,11 +74,7 @@ class CheckpointOffload:
         if self.embedding_packed is not None:  # the next layer's input: the first layer's forward is over
             self._hand_over_embedding_output()
         self.device = t.device
-        if t.is_cuda and not is_fake(t) and torch.cuda.is_available():
-            host = self._to_host_async(t)
-        else:
-            host = t.to("cpu", copy=True)  # CPU: a copy, so the path is the real one; simulation: a host tensor
-        packed = _Saved(host, len(self.saved))
+        packed = _Saved(self._to_host(t), len(self.saved))
         self.saved.append(packed)
         if self._saved_as_host_copy(t):
             packed.copy = HostCopy(functools.partial(self._fetched, packed))
@@ -123,6 +122,10 @@ class CheckpointOffload:
             idle.come_back_after_backward()
         if not isinstance(packed, _Saved):
             return packed
+        if not self.in_backward and torch._C._current_graph_task_id() != -1:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        host_copies.spill_to(self if self.in_backward and packed.copy is not None else None)
         tensor = self._fetched(packed)
         for other in self.saved[packed.index + 1:]:  # layers whose backward is over: a copy a node never asked
             if other.copy is not None:               # to release is not kept beside this layer's backward
@@ -132,6 +135,14 @@ class CheckpointOffload:
         if packed.index > 0 and self._prefetches(tensor):
             self._fetch(self.saved[packed.index - 1])  # the next one backward needs: on its way while this one works
         return tensor
+
+    def to_host(self, t: torch.Tensor) -> HostCopy:
+        """`t`'s host copy, fetched back as a new device tensor each time it is asked for (bpt.host_copies.spilled)."""
+        return HostCopy(functools.partial(self._fetched, _Saved(self._to_host(t), -1)))
+
+    def _backward_done(self) -> None:
+        self.in_backward = False
+        host_copies.spill_to(None)
 
     def _fetched(self, packed: _Saved) -> torch.Tensor:
         """`packed` on the device, once the compute stream may read it."""
@@ -152,6 +163,11 @@ class CheckpointOffload:
         length, the copy with the length), while held ahead it would sit beside the layer's whole working set."""
         total = device_bytes(t.device)
         return total is None or t.numel() * t.element_size() <= total * PREFETCH_SHARE
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_cuda and not is_fake(t) and torch.cuda.is_available():
+            return self._to_host_async(t)
+        return t.to("cpu", copy=True)  # CPU: a copy, so the path is the real one; simulation: a host tensor
 
     def _to_host_async(self, t: torch.Tensor) -> torch.Tensor:
         if self.stream is None:
@@ -217,6 +233,7 @@ def offloading_forward(model, original, width: int):
                                "trains without gradient checkpointing: call model.gradient_checkpointing_enable() "
                                "(train.qlora: drop --no_gradient_checkpointing) or patch without offload_checkpoints")
         offload = CheckpointOffload(shape[0] * shape[1], width, shape, idle)
+        host_copies.spill_to(None)  # a backward that never ended (an error) spills no more
         embedding = model.get_input_embeddings() if checkpointed_without_reentrancy(model) else None
         leaf_cut = embedding.register_forward_hook(offload.embedding_hook) if embedding is not None else None
         try:

@@ -256,8 +256,9 @@ def test_cuda_offload_pins_host_memory_and_lowers_the_peak():
 @pytest.mark.cuda
 def test_cuda_layer_inputs_saved_as_host_copies_are_exact(monkeypatch):
     """Where a layer input is large (here: every one), its input norm and projections save it as its pinned host
-    copy, fetched on the side stream after the layer's MLP and attention backward (bpt.host_copies): bitwise the run
-    without offload, with a peak no higher than with those copies kept on the device."""
+    copy, fetched on the side stream after the layer's MLP and attention backward (bpt.host_copies), and (the budget
+    splits the attention's backward by head) the recompute spills the attention's q, k, v to pinned memory: bitwise the
+    run without offload, with a peak no higher than with those copies kept on the device."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run `python -m pytest -m cuda` on a GPU machine)")
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_batch("plain", length=4096).items()}
