@@ -199,6 +199,26 @@ def test_find_max_on_the_simulated_device_bisects_per_side(tmp_path):
         assert found <= exact < found + 1024, (side, found, exact)
 
 
+def test_find_max_starts_from_the_longest_sweep_length_that_fits(tmp_path):
+    """A sweep length that fits is where the search starts: with the cap 1K above it, one run more decides."""
+    usable = device("a100-40gb").usable_bytes
+    lengths = []
+
+    def runner(spec):
+        lengths.append(spec["seq_len"])
+        peak = 2**30 + 100_000 * spec["seq_len"]
+        return {"ok": True, "device": "simulated a100-40gb", "layers": 2, "depth": 2, "extrapolated": False,
+                "peak_bytes": peak, "step_bytes": peak, "bytes_per_token": peak / spec["seq_len"],
+                "fits": peak <= usable, "attention_paths": {}, "peak_holders": [], "threads": 1}
+
+    longest = (usable - 2**30) // 100_000 // 1024 * 1024
+    report = main(["--model", "tiny", "--simulate", "a100-40gb", "--sides", "patched", "--seq_lens", "16384",
+                   str(longest), "--find_max", "--max_len", str(longest + 1024), "--output",
+                   str(tmp_path / "find_max.json")], runner=runner)
+    assert lengths == [16384, longest, longest + 1024]
+    assert report["find_max"]["patched"]["max_context_tokens"] == longest
+
+
 def test_offload_side_moves_the_checkpoints_to_host(tmp_path, shim_library):
     """patched+offload: the bf16 layer checkpoints (and the final norm's and loss's inputs) are host bytes, counted
     apart; the device peak drops by the checkpoints, less what a backward still holds of that size (the layer input
