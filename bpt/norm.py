@@ -34,8 +34,8 @@ def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor
         backward (what is free when backward runs, inside a checkpointed layer's backward, is not what was free in
         its forward).
 
-    With grad disabled (inference, torch.compile full-graph) or nothing requiring grad, this is `forward(x)`. With
-    grad enabled the output carries its input (weakly) for `norm_source`.
+    With grad disabled (inference, torch.compile full-graph) this is `forward(x)`; with nothing requiring grad, the
+    forward in chunks, no graph. With grad enabled the output carries its input (weakly) for `norm_source`.
     """
     if not callable(rows):
         _check_rows(rows)
@@ -46,7 +46,10 @@ def lean_norm(forward: Callable, params: Sequence[torch.Tensor], x: torch.Tensor
     if not torch.is_grad_enabled():
         return forward(x)
     trainable = [p for p in params if p.requires_grad]
-    y = _LeanNorm.apply(forward, rows_now, norm_dims, x, *trainable) if x.requires_grad or trainable else forward(x)
+    if x.requires_grad or trainable:
+        y = _LeanNorm.apply(forward, rows_now, norm_dims, x, *trainable)
+    else:  # nothing to differentiate (a frozen norm on an input that needs no gradient: the first layer's under
+        y = _chunked(forward, _check_rows(rows_now()), norm_dims, x)  # QLoRA), still in chunks
     # weak: never what keeps the input on the device; the versions: neither changed in place since
     setattr(y, _SOURCE_ATTR, (forward, trainable, weakref.ref(x), x._version, y._version))
     return y
@@ -83,6 +86,25 @@ def _checked(y, x: torch.Tensor, norm_dims: int) -> torch.Tensor:
     return y
 
 
+def _chunked(forward: Callable, rows: int, norm_dims: int, x: torch.Tensor) -> torch.Tensor:
+    """forward(x) chunk by chunk of `rows` rows, as backward runs it: the forward's own fp32 temporaries exist for one
+    chunk only (bitwise the whole: each row is its own)."""
+    lead = x.shape[:x.dim() - norm_dims]
+    flat_x = x.reshape(-1, *x.shape[x.dim() - norm_dims:])  # [R, *D]
+    if flat_x.shape[0] <= rows:
+        return _checked(forward(x), x, norm_dims)
+    first = _checked(forward(flat_x[:rows]), flat_x[:rows], norm_dims)  # [r, *D']
+    # made in the output's shape, not a view of a flat one: whoever drops the output's memory
+    # (patches/spent_input.py) drops all of it
+    out = first.new_empty((*lead, *first.shape[1:]))
+    flat_out = out.view(-1, *first.shape[1:])  # [R, *D']
+    flat_out[:rows] = first
+    del first
+    for start in range(rows, flat_x.shape[0], rows):
+        flat_out[start:start + rows] = forward(flat_x[start:start + rows])
+    return out
+
+
 class _LeanNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, forward, rows_now, norm_dims, x, *params):
@@ -91,21 +113,7 @@ class _LeanNorm(torch.autograd.Function):
         ctx.autocast = autocast_state([x])
         host_copies.save(ctx, x)  # the input only: shared storage with whoever else holds it (or its host copy)
         ctx.params = params  # the module's own tensors, alive anyway: references, not saved tensors
-        lead = x.shape[:x.dim() - norm_dims]
-        flat_x = x.reshape(-1, *x.shape[x.dim() - norm_dims:])  # [R, *D]
-        if flat_x.shape[0] <= rows:
-            return _checked(forward(x), x, norm_dims)
-        # chunk by chunk, as backward: the forward's own fp32 temporaries exist for one chunk only
-        first = _checked(forward(flat_x[:rows]), flat_x[:rows], norm_dims)  # [r, *D']
-        # made in the output's shape, not a view of a flat one: whoever drops the output's memory
-        # (patches/spent_input.py) drops all of it
-        out = first.new_empty((*lead, *first.shape[1:]))
-        flat_out = out.view(-1, *first.shape[1:])  # [R, *D']
-        flat_out[:rows] = first
-        del first
-        for start in range(rows, flat_x.shape[0], rows):
-            flat_out[start:start + rows] = forward(flat_x[start:start + rows])
-        return out
+        return _chunked(forward, rows, norm_dims, x)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -158,8 +158,15 @@ def test_frozen_weights_get_no_gradient_and_no_grad_is_plain_forward():
     assert module.weight.grad is None and x.grad is not None
     with torch.no_grad():
         assert lean_norm(module.forward, list(module.parameters()), x, rows=ROWS).grad_fn is None
-    # nothing requires grad: the module's forward, no custom Function
-    assert lean_norm(module.forward, list(module.parameters()), x.detach(), rows=ROWS).grad_fn is None
+    # nothing requires grad (a frozen norm on the first layer's input under QLoRA): no graph, the forward still in
+    # chunks of rows (no fp32 temporary of the whole input), bitwise the module's
+    x = torch.randn(4, 64, HIDDEN, dtype=torch.bfloat16)
+    module.to(torch.bfloat16)
+    probe = _Allocations()
+    with probe:
+        y = lean_norm(module.forward, list(module.parameters()), x, rows=16)
+    assert y.grad_fn is None and torch.equal(y, module(x))
+    assert max(n for dtype, n in probe.outputs if dtype == torch.float32) <= 16 * HIDDEN
 
 
 @pytest.mark.parametrize("use_autocast", [False, True])
