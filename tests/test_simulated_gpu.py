@@ -200,7 +200,8 @@ def test_find_max_on_the_simulated_device_bisects_per_side(tmp_path):
 
 
 def test_find_max_starts_from_the_longest_sweep_length_that_fits(tmp_path):
-    """A sweep length that fits is where the search starts: with the cap 1K above it, one run more decides."""
+    """The longest sweep length that fits is where the search starts (with the cap 1K above it, one run more
+    decides), and the shortest longer one that does not is where it ends."""
     usable = device("a100-40gb").usable_bytes
     lengths = []
 
@@ -216,6 +217,12 @@ def test_find_max_starts_from_the_longest_sweep_length_that_fits(tmp_path):
                    str(longest), "--find_max", "--max_len", str(longest + 1024), "--output",
                    str(tmp_path / "find_max.json")], runner=runner)
     assert lengths == [16384, longest, longest + 1024]
+    assert report["find_max"]["patched"]["max_context_tokens"] == longest
+    lengths.clear()  # a sweep length that does not fit bounds the search from above: here, no run more
+    report = main(["--model", "tiny", "--simulate", "a100-40gb", "--sides", "patched", "--seq_lens",
+                   str(longest - 1024), str(longest), str(longest + 1024), "--find_max", "--max_len", str(8 * longest),
+                   "--output", str(tmp_path / "find_max.json")], runner=runner)
+    assert lengths == [longest - 1024, longest, longest + 1024]
     assert report["find_max"]["patched"]["max_context_tokens"] == longest
 
 

@@ -359,14 +359,15 @@ def clock_rates(row: dict, tokens: int, peak_flops: float) -> dict:
     return {"tokens_per_second": tokens / step, "mfu": row["clock_flops"] / (step * peak_flops)}
 
 
-def longest_fitting(fits: Callable[[int], bool], start: int, cap: int, resolution: int = 1024) -> tuple[int | None, int | None]:
+def longest_fitting(fits: Callable[[int], bool], start: int, cap: int, resolution: int = 1024,
+                    over: int | None = None) -> tuple[int | None, int | None]:
     """(longest length that fits, shortest that does not) by doubling from `start`, then bisection to `resolution`
-    tokens; lengths stay multiples of `resolution`. (None, start) when even `start` does not fit; (cap', None)
-    when the cap fits."""
+    tokens; lengths stay multiples of `resolution`. `over`: a longer length already known not to fit (the bisection
+    starts below it). (None, start) when even `start` does not fit; (cap', None) when the cap fits."""
     start = max(resolution, start // resolution * resolution)
     if not fits(start):
         return None, start
-    good, bad = start, None
+    good, bad = start, over
     while bad is None:
         if good >= cap:
             return good, None

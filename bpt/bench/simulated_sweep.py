@@ -4,7 +4,7 @@
 - `simulation_spec`: the worker spec of one (side, layout, seq_len) on the simulated device
 - `simulated_sweep`: every (side, layout, seq_len), then per side and layout the longest length whose simulated peak
   fits the device's usable memory (capacity minus gpus.RESERVE_BYTES): doubling from the longest sweep length that
-  fits, then bisection to 1K tokens
+  fits (unless a longer one does not), then bisection to 1K tokens
 - layouts: one device, or with `--sequence_parallel N --sp_mode M` one rank of N (bpt.bench.rank_share: the real
   ring / Ulysses code over a fake process group); a row's seq_len is the whole sequence's, its bytes one rank's
 - `format_simulated`: the printed table (every figure labelled simulated)
@@ -147,9 +147,11 @@ def simulated_sweep(args: argparse.Namespace, model_config: dict, runner: Callab
                                            f"{run['error']}")
                     return run["fits"]
 
-                fitting = [r["seq_len"] for r in runs if ours(r) and r["ok"] and r["fits"]]
-                start = max(fitting, default=min(args.seq_lens))  # from the longest sweep length that fits
-                longest, first_over = longest_fitting(fits, start, args.max_len, RESOLUTION * world)
+                swept = [r for r in runs if ours(r) and r["ok"]]
+                start = max((r["seq_len"] for r in swept if r["fits"]), default=min(args.seq_lens))
+                over = min((r["seq_len"] for r in swept if not r["fits"] and r["seq_len"] > start), default=None)
+                # between the longest sweep length that fits and the shortest above it that does not
+                longest, first_over = longest_fitting(fits, start, args.max_len, RESOLUTION * world, over)
                 found[layout_name(side, world, mode)] = {
                     "side": side, "sequence_parallel": world, "sp_mode": mode, "max_context_tokens": longest,
                     "first_over": first_over, "usable_bytes": gpu.usable_bytes, "reserve_bytes": RESERVE_BYTES,
