@@ -126,6 +126,11 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([lines[0], "|" + "---|" * len(header), *lines[1:]])
 
 
+def round_length(n: int) -> bool:
+    """A sweep length the tables show: a power of two (the others bracket a --find_max, whose longest has its row)."""
+    return n & (n - 1) == 0
+
+
 def qlora_block() -> str:
     """The simulated Llama-3.1-8B QLoRA table: the sweep of `llama-3.1-8b-qlora-h100.json`, the offload rows of
     `llama-3.1-8b-qlora-offload-h100.json`, each side's `--find_max`."""
@@ -134,7 +139,7 @@ def qlora_block() -> str:
     rows = [[k(n), *(f"{gib(peaks[side, n]['peak_bytes'])} GiB" for side in ("stock", "patched")), ""]
             for n in sorted({n for _, n in peaks})]
     rows += [[k(r["seq_len"]), "", "", f"{gib(r['peak_bytes'])} GiB on the device, {gib(r['host_peak_bytes'])} GiB "
-              "of host memory"] for r in offload["runs"] if r["phase"] == "sweep"]
+              "of host memory"] for r in offload["runs"] if r["phase"] == "sweep" and round_length(r["seq_len"])]
     rows.append(["longest that fits (`--find_max`)",
                  *(f"{found[side]['max_context_tokens']:,}" for found, side in
                    ((sweep["find_max"], "stock"), (sweep["find_max"], "patched"),
@@ -400,7 +405,7 @@ def many_gpus_block() -> str:
         (layout, found), = report["find_max"].items()
         runs = {r["seq_len"]: r for r in report["runs"] if r["ok"]}
         gpus = f"{found.get('sequence_parallel') or 1} ({found.get('sp_mode') or 'one GPU'})"
-        lengths = [(n, f"{n:,}") for n in sorted(n for n, r in runs.items() if r["phase"] == "sweep")]
+        lengths = [(n, f"{n:,}") for n in sorted(n for n, r in runs.items() if r["phase"] == "sweep" and round_length(n))]
         for n, label in lengths + [(found["max_context_tokens"], f"longest: {found['max_context_tokens']:,}")]:
             r = runs[n]
             rows.append([gpus, label, f"{r.get('tokens_per_rank', n):,}", f"{gib(r['peak_bytes'])} GiB",

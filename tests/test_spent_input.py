@@ -27,6 +27,16 @@ def lora(model, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "d
     return lora_on(model, targets=targets)
 
 
+def resident_and_offloaded(name: str = "llama", **lora_targets) -> tuple:
+    """A checkpointed tiny model with LoRA patched without offload, and its copy patched with it (recorders that wrap
+    what the patch binds are set before)."""
+    model = checkpointed(lora(tiny_model(name), **lora_targets))
+    resident = copy.deepcopy(model)
+    apply_bpt_patch(resident, **BUDGET)
+    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    return resident, model
+
+
 def _live_in_recompute(monkeypatch, row_changes: dict, module_of) -> list[int]:
     """Bytes live (the simulator's tracker, on CPU tensors) each time a layer's recompute calls `module_of(layer)`,
     with the llama row changed by `row_changes`; once per layer."""
@@ -84,11 +94,8 @@ def test_the_rows_that_name_readers():
 
 @pytest.mark.parametrize("name", NAMED)
 def test_dropped_after_its_readers_bitwise_the_run_without_offload(name, monkeypatch):
-    model = checkpointed(lora(tiny_model(name)))
-    resident = copy.deepcopy(model)
     dropped = _drops(monkeypatch)
-    apply_bpt_patch(resident, **BUDGET)
-    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    resident, model = resident_and_offloaded(name)
     inputs = make_batch("packed")
     expected = loss_and_grads(resident, inputs)
     assert not dropped  # without offload the layer input stays on the device: so does the normed input
@@ -100,10 +107,7 @@ def test_dropped_after_its_readers_bitwise_the_run_without_offload(name, monkeyp
 
 
 def test_bf16_autocast_bitwise():
-    model = checkpointed(lora(tiny_model("llama")))
-    resident = copy.deepcopy(model)
-    apply_bpt_patch(resident, **BUDGET)
-    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    resident, model = resident_and_offloaded()
     inputs = make_batch("plain")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
@@ -111,11 +115,8 @@ def test_bf16_autocast_bitwise():
 
 def test_a_projection_left_stock_keeps_it(monkeypatch):
     """LoRA on q and v only: k_proj reads the input as stock does (and saves it): it is never dropped."""
-    model = checkpointed(lora(tiny_model("llama"), targets=("q_proj", "v_proj")))
-    resident = copy.deepcopy(model)
     dropped = _drops(monkeypatch)
-    apply_bpt_patch(resident, **BUDGET)
-    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    resident, model = resident_and_offloaded(targets=("q_proj", "v_proj"))
     inputs = make_batch("plain")
     assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
     assert "attention input" not in dropped

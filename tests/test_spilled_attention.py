@@ -4,7 +4,6 @@ loss and gradients bitwise those of the run without offload, the three tensors o
 to its backward."""
 from __future__ import annotations
 
-import copy
 import weakref
 
 import pytest
@@ -14,7 +13,7 @@ from bpt import head_groups, host_copies
 from patches import apply_bpt_patch
 from test_offload import assert_bitwise, checkpointed
 from test_patches import loss_and_grads, make_batch
-from test_spent_input import BUDGET, lora
+from test_spent_input import BUDGET, lora, resident_and_offloaded
 from tiny_models import tiny_model
 
 
@@ -81,11 +80,8 @@ def _spills(monkeypatch) -> list:
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma"])
 def test_a_recompute_spills_q_k_v_bitwise_the_run_without_offload(name, monkeypatch):
-    model = checkpointed(lora(tiny_model(name)))
-    resident = copy.deepcopy(model)
     fetched = _spills(monkeypatch)
-    apply_bpt_patch(resident, **BUDGET)
-    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    resident, model = resident_and_offloaded(name)
     inputs = make_batch("plain")  # (packed documents take the blockwise path on a CPU)
     expected = loss_and_grads(resident, inputs)
     assert not fetched  # without offload nothing spills
@@ -96,11 +92,8 @@ def test_a_recompute_spills_q_k_v_bitwise_the_run_without_offload(name, monkeypa
 
 
 def test_bf16_autocast_bitwise(monkeypatch):
-    model = checkpointed(lora(tiny_model("llama")))
-    resident = copy.deepcopy(model)
     fetched = _spills(monkeypatch)
-    apply_bpt_patch(resident, **BUDGET)
-    apply_bpt_patch(model, **BUDGET, offload_checkpoints=True)
+    resident, model = resident_and_offloaded()
     inputs = make_batch("plain")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
