@@ -180,17 +180,26 @@ def test_calibrate_needs_a_gpu(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_find_max_on_the_simulated_device_bisects_per_side(tmp_path):
-    """--find_max with a stand-in runner whose peak grows linearly: the longest fitting length per side."""
+def _linear_runner(per_token: dict, lengths: list | None = None):
+    """A stand-in worker on a simulated a100-40gb whose peak is 1 GiB plus `per_token[side]` bytes a token; the
+    lengths it is asked for go to `lengths`."""
     usable = device("a100-40gb").usable_bytes
-    per_token = {"stock": 400_000, "patched": 100_000}
 
     def runner(spec):
+        if lengths is not None:
+            lengths.append(spec["seq_len"])
         peak = 2**30 + per_token[spec["side"]] * spec["seq_len"]
         return {"ok": True, "device": "simulated a100-40gb", "layers": 2, "depth": 2, "extrapolated": False,
                 "peak_bytes": peak, "step_bytes": peak, "bytes_per_token": peak / spec["seq_len"],
                 "fits": peak <= usable, "attention_paths": {}, "peak_holders": [], "threads": 1}
+    return runner
 
+
+def test_find_max_on_the_simulated_device_bisects_per_side(tmp_path):
+    """--find_max with a stand-in runner whose peak grows linearly: the longest fitting length per side."""
+    usable = device("a100-40gb").usable_bytes
+    per_token = {"stock": 400_000, "patched": 100_000}
+    runner = _linear_runner(per_token)
     report = main(["--model", "tiny", "--simulate", "a100-40gb", "--seq_lens", "16384", "--find_max", "--output",
                    str(tmp_path / "find_max.json")], runner=runner)
     for side, rate in per_token.items():
@@ -204,14 +213,7 @@ def test_find_max_starts_from_the_longest_sweep_length_that_fits(tmp_path):
     decides), and the shortest longer one that does not is where it ends."""
     usable = device("a100-40gb").usable_bytes
     lengths = []
-
-    def runner(spec):
-        lengths.append(spec["seq_len"])
-        peak = 2**30 + 100_000 * spec["seq_len"]
-        return {"ok": True, "device": "simulated a100-40gb", "layers": 2, "depth": 2, "extrapolated": False,
-                "peak_bytes": peak, "step_bytes": peak, "bytes_per_token": peak / spec["seq_len"],
-                "fits": peak <= usable, "attention_paths": {}, "peak_holders": [], "threads": 1}
-
+    runner = _linear_runner({"patched": 100_000}, lengths)
     longest = (usable - 2**30) // 100_000 // 1024 * 1024
     report = main(["--model", "tiny", "--simulate", "a100-40gb", "--sides", "patched", "--seq_lens", "16384",
                    str(longest), "--find_max", "--max_len", str(longest + 1024), "--output",
