@@ -59,8 +59,8 @@ def test_tiny_kernels_are_launch_bound():
 
 def test_a_sync_makes_the_host_wait_and_a_copy_takes_the_link():
     clock = StepClock(GPU)
-    big = torch.zeros(4096, 4096, dtype=torch.bfloat16)
-    _run(clock, aten.mm.default, big, big, flops=2 * 4096 ** 3)
+    big = torch.zeros(4096, 4096, dtype=torch.bfloat16, device="meta")  # shapes only (a real bf16 product of this
+    _run(clock, aten.mm.default, big, big, flops=2 * 4096 ** 3)           # size took 8 minutes on an AVX2 CPU)
     device_end = clock.device
     assert clock.host < device_end
     _run(clock, aten._local_scalar_dense.default, torch.ones(()))
@@ -118,3 +118,35 @@ def test_cpu_rates_measured_once_then_cached(tmp_path, monkeypatch):
     assert first.attention_rate("float32", backward=True) == 9e10 and not first.overlap
     cached, = tmp_path.glob("rates-cpu-*.json")
     assert json.loads(cached.read_text())["matmul"] == fake["matmul"]
+
+
+def test_cpu_rates_from_an_empty_cache_take_under_a_minute(tmp_path, capfd):
+    """A fresh machine: the measurement says on one line that it runs, takes under a minute (bf16 products on a CPU
+    without native bf16 kernels ran ~1 GFLOP/s: at the sizes fp32 needs, hours), is cached, and gives rates in a
+    CPU's range for every dtype a simulated CPU step uses."""
+    rates = clock_module.cpu_rates(tmp_path)
+    measured = json.loads(next(tmp_path.glob("rates-cpu-*.json")).read_text())
+    assert measured["seconds"] < 60, measured["seconds"]
+    assert capfd.readouterr().err.count("measuring this CPU's rates") == 1
+    assert 1e8 < rates.matmul_rate("bfloat16") < 1e14 and 1e9 < rates.matmul_rate("float32") < 1e14
+    assert 1e8 < rates.memory_bytes_per_second < 1e12 and 1e-8 < rates.host_seconds_per_op < 1e-3
+    assert {a["dtype"] for a in measured["attention"]} == {"bfloat16", "float32"}
+    assert all(a["forward_backward_seconds"] > a["forward_seconds"] > 0 for a in measured["attention"])
+    assert clock_module.cpu_rates(tmp_path) == rates and not capfd.readouterr().err
+
+
+def test_the_measured_size_is_the_largest_whose_call_fits():
+    """rates.affordable climbs the sizes while the next call is predicted to fit (here 1 s per unit of size^3)."""
+    from bpt.gpusim.rates import affordable
+
+    timed = []
+
+    def one_call(n):
+        timed.append(n)
+        return n ** 3 * 1e-3
+
+    assert affordable((1, 2, 4, 8, 16), one_call, 3, limit=0.1) == 4  # 8: 0.512 s predicted
+    assert timed == [1, 1, 2, 4]  # a warm-up call first, then each size once
+    assert affordable((8, 16), one_call, 3, limit=0.1) == 8  # the smallest whatever it costs
+    timed.clear()
+    assert affordable((4096,), one_call, 3, limit=0.1) == 4096 and not timed  # one size: nothing to time

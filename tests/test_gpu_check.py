@@ -113,18 +113,6 @@ def test_runtime_calls_rank_the_host_side_cuda_calls():
                                                 "host_wait": False}
 
 
-def test_rates_on_this_cpu():
-    """The clock's microbenchmarks run (small sizes on a CPU) and give rates in a CPU's range."""
-    from bpt.gpusim.rates import measure_rates
-
-    rates = measure_rates("cpu")
-    assert 1e9 < rates["matmul"]["float32"] < 1e14 and 1e9 < rates["matmul"]["bfloat16"] < 1e14
-    assert 1e8 < rates["copy_bytes_per_second"] < 1e12
-    assert 1e-8 < rates["dispatch"]["host_seconds_per_op"] < 1e-3
-    assert all(a["forward_backward_seconds"] > a["forward_seconds"] > 0 for a in rates["attention"])
-    assert [r["rows"] for r in rates["matmul_by_rows"]] == sorted(r["rows"] for r in rates["matmul_by_rows"])
-
-
 def test_dry_run_cuda_tier_and_max_context(dry_run):
     report = dry_run[0]
     tier = report["cuda_tier"]

@@ -393,6 +393,10 @@ def main(argv: list[str] | None = None, runner: Callable[[dict], dict] | None = 
     kind = f"-{args.simulate}" if args.simulate is not None else "-sp" if args.sequence_parallel is not None else ""
     output = output_path(args, f"{model_name}{kind}-{stamp}")  # said before the sweep
     if args.simulate is not None:
+        if args.simulate == "cpu":  # here, where its line is seen, not in the first worker (which finds it cached)
+            from bpt.gpusim.clock import cpu_rates
+
+            cpu_rates(threads=args.torch_threads)
         runs, found = simulated_sweep(args, model_config, runner)
         report = simulated_report(args, environment(args, model_config, runs, None), runs, found)
         csv_path = write_outputs(output, report)

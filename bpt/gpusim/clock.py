@@ -12,14 +12,17 @@ step ends when the host, the device and the copy stream are all done. On a CPU e
 
 `RATES` holds every card's constants with their sources: measured ones come from `python -m bpt.bench
 --gpu_check` (bpt/gpusim/rates.py), the others from datasheets scaled by what the measured card achieved. The
-CPU's are measured on this machine (`cpu_rates`, cached per CPU and torch version).
+CPU's are measured on this machine (`cpu_rates`, ~20 s once, cached per CPU, threads and torch version).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import platform
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +48,7 @@ SOFTMAX = {aten._log_softmax, aten._log_softmax_backward_data, aten._softmax, at
 TRANSCENDENTAL = {aten.exp, aten.log, aten.silu, aten.silu_backward, aten.sigmoid, aten.sigmoid_backward,
                   aten.tanh, aten.tanh_backward, aten.gelu, aten.gelu_backward, aten.rsqrt, aten.sqrt, aten.pow,
                   aten.sin, aten.cos, aten.erf}
-RATES_VERSION = 2  # of what bpt.gpusim.rates measures: a cache from another version is measured again
+RATES_VERSION = 3  # of what bpt.gpusim.rates measures: a cache from another version is measured again
 FRESH_BLOCK = 128 * 1024  # CPU: blocks from this size on are fresh mmaps (the bench's malloc setting): page faults
 
 
@@ -110,37 +113,76 @@ RATES = {
 }
 
 
-def cpu_rates(cache_dir: Path | None = None) -> Rates:
-    """This CPU's rates, measured once (bpt.gpusim.rates, ~10 s) and cached per CPU model, threads and torch."""
-    from bpt.gpusim.rates import measure_rates
-
-    cpu = _cpu_model()
-    key = hashlib.sha1(f"{RATES_VERSION}|{cpu}|{torch.__version__}|{torch.get_num_threads()}|"
-                       f"{torch.backends.cpu.get_cpu_capability()}".encode()).hexdigest()[:12]
+def cpu_rates(cache_dir: Path | None = None, threads: int | None = None) -> Rates:
+    """This CPU's rates at `threads` torch threads (default: the current count), measured once (bpt.gpusim.rates,
+    ~20 s, bounded) and cached per CPU model, threads and torch. A process that finds another measuring waits for it
+    (two at once would each time a busy machine)."""
     cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "bpt"
-    path = cache_dir / f"rates-cpu-{key}.json"
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
     try:
-        measured = json.loads(path.read_text())
-    except (OSError, ValueError):
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():  # real tensors, even when asked from inside a simulation
-            measured = measure_rates("cpu")
-        measured["cpu"] = cpu
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(measured))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # an unwritable cache only costs the next run the measurement
+        path, cpu = _cpu_rates_path(cache_dir)
+        measured = _read_json(path)
+        if measured is None:
+            with _cache_lock(cache_dir, path.stem):
+                measured = _read_json(path) or _measure_cpu(path, cpu)
+    finally:
+        torch.set_num_threads(saved)
     attention = {a["dtype"]: (a["forward_flops_per_second"], a["backward_flops_per_second"])
                  for a in measured["attention"]}
     return Rates("cpu", dict(measured["matmul"]), measured["copy_bytes_per_second"], attention,
                  measured["dispatch"]["seconds_per_op_synced"], 0.0, None, measured["matmul"]["bfloat16"], False,
                  measured["transcendental_per_second"], measured["softmax_per_second"],
                  measured["fresh_bytes_per_second"],
-                 (f"measured on this CPU ({measured.get('cpu')}, {torch.get_num_threads()} threads): {path}",))
+                 (f"measured on this CPU ({measured.get('cpu')}, {measured.get('threads')} threads): {path}",))
+
+
+def _cpu_rates_path(cache_dir: Path) -> tuple[Path, str]:
+    cpu = _cpu_model()
+    key = hashlib.sha1(f"{RATES_VERSION}|{cpu}|{torch.__version__}|{torch.get_num_threads()}|"
+                       f"{torch.backends.cpu.get_cpu_capability()}".encode()).hexdigest()[:12]
+    return cache_dir / f"rates-cpu-{key}.json", cpu
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@contextmanager
+def _cache_lock(cache_dir: Path, name: str):
+    """An exclusive lock on cache_dir/name.lock while held (none where the directory cannot be written)."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(cache_dir / f"{name}.lock", "w")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _measure_cpu(path: Path, cpu: str) -> dict:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from bpt.gpusim.rates import measure_rates
+
+    print(f"bpt: measuring this CPU's rates for the simulated clock ({torch.get_num_threads()} threads, ~20 s, "
+          f"once per machine; cached in {path})", file=sys.stderr, flush=True)
+    with _disable_current_modes():  # real tensors, even when asked from inside a simulation
+        measured = measure_rates("cpu")
+    measured.update(cpu=cpu, threads=torch.get_num_threads())
+    try:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(measured))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache only costs the next run the measurement
+    return measured
 
 
 def _cpu_model() -> str:
