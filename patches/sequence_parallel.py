@@ -101,7 +101,7 @@ class SequenceParallelContext:
     def attention(self, module, query, key, value, *, causal, scaling, softcap, sliding_window, alibi_slopes,
                   key_bias, sinks, dropout, q_block, kv_block, compile, empty_rows="zeros", head_groups=None):
         """q [B, Hq, n, D], k / v [B, Hkv, n, D]: this rank's shard -> its output shard [B, Hq, n, D]. head_groups:
-        (q, k) -> how a fused attention's backward is split (Ulysses' whole-sequence attention; ring has none)."""
+        (q, k) -> how a fused attention's backward is split (Ulysses' whole-sequence attention; ring's fused pairs)."""
         name = type(module).__name__
         if key_bias is not None:  # ALiBi built on this shard's own positions: re-based on the global ones
             alibi_slopes, key_bias = linear_bias_slopes(key_bias, name), None
@@ -112,8 +112,9 @@ class SequenceParallelContext:
                       padding_mask=self.padding_mask, segment_ids=self.segment_ids, sliding_window=sliding_window,
                       alibi_slopes=alibi_slopes, softcap=softcap, q_block=q_block, kv_block=kv_block, compile=compile,
                       empty_rows=empty_rows)
-        if self.mode == "ring":
-            return ring_attention(query, key, value, sinks=sinks, **common)
+        if self.mode == "ring":  # the rule asked of the whole shard: the largest call of its fused path
+            groups = None if head_groups is None else head_groups(query, key)
+            return ring_attention(query, key, value, sinks=sinks, head_groups=groups, **common)
         world = dist.get_world_size(self.group)
         if query.shape[1] % world:
             raise ValueError(f"sequence-parallel mode 'ulysses' splits the {query.shape[1]} query heads of {name} "

@@ -1,7 +1,9 @@
 """Ring attention (bpt.sequence_parallel.ring) over real gloo processes vs single-process blockwise_attention, fp32.
 
 One spawn per world size (2, 3, 4) runs every case in a loop; each rank saves its output / gradient shards
-and the parent unshards them and compares with blockwise_attention on the unsharded tensors.
+and the parent unshards them and compares with blockwise_attention on the unsharded tensors. Cases with no mask but
+causality take the fused path (bpt.sequence_parallel.ring_fused: torch's kernel per pair of chunks); each rank also
+says which cases did.
 """
 import math
 
@@ -51,6 +53,8 @@ CASES = {
     "empty_rows_uniform_fused": (45, 4, 4, {"padding_mask": "padding", "segment_ids": "segments",
                                             "empty_rows": "uniform_fused"}, 3, 5),
 }
+FUSED = {"causal", "causal_gqa_small_blocks", "causal_divisible", "causal_tiny_n", "full_mqa", "causal_long"}
+CASES["causal_long"] = (250, 8, 2, {}, 1024, 1024)  # bf16 against stock: enough rows for the error to settle
 WRONG_LAYOUT = "causal_gqa_small_blocks"  # also run with a contiguous (not zigzag) split: must fail
 SUBGROUP_CASE = "everything_gqa"  # also run on process subgroups (world 4 = two rings of 2)
 
@@ -67,7 +71,7 @@ def _contiguous_shard(x, dim, rank, world, pad_value=0):
     return padded.narrow(dim, rank * n, n)
 
 
-def _run_case(name, rank, world, shard, group=None, dtype=torch.float32):
+def _run_case(name, rank, world, shard, group=None, dtype=torch.float32, head_groups=None):
     q, k, v, dout, options, n = _inputs(name)
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     _, _, _, _, q_block, kv_block = CASES[name]
@@ -79,7 +83,8 @@ def _run_case(name, rank, world, shard, group=None, dtype=torch.float32):
     local = {key: shard(value, 1, rank, world, pad_value=1 if key == "padding_mask" else 0)
              if key in ("padding_mask", "segment_ids") else value for key, value in options.items()}
     qs, ks, vs = (shard(t, 2, rank, world, pad_value=3.0).requires_grad_() for t in (q, k, v))
-    out = ring_attention(qs, ks, vs, group=group, seq_len=n, q_block=q_block, kv_block=kv_block, **local)
+    out = ring_attention(qs, ks, vs, group=group, seq_len=n, q_block=q_block, kv_block=kv_block,
+                         head_groups=head_groups, **local)
     out.backward(shard(dout, 2, rank, world, pad_value=5.0))
     assert out.dtype == dtype and qs.grad.dtype == ks.grad.dtype == vs.grad.dtype == dtype
     result = {"out": out.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
@@ -91,7 +96,19 @@ def _run_case(name, rank, world, shard, group=None, dtype=torch.float32):
 def _worker(rank, world):
     import torch.distributed as dist
 
-    results = {name: _run_case(name, rank, world, zigzag_shard) for name in CASES}
+    import bpt.sequence_parallel.ring as ring_module
+
+    fused, inner = [], ring_module.fused_ring_attention
+    ring_module.fused_ring_attention = lambda *args, **kwargs: fused.append(1) or inner(*args, **kwargs)
+    results, paths = {}, {}
+    for name in CASES:
+        before = len(fused)
+        results[name] = _run_case(name, rank, world, zigzag_shard)
+        paths[name] = len(fused) - before
+    results["fused_calls"] = paths
+    # the fused backward a query head at a time (the head-group rule asks for 4 groups of the 4 query heads)
+    results["head_groups"] = _run_case("causal_gqa_small_blocks", rank, world, zigzag_shard, head_groups=lambda: 4)
+    results["bf16_fused"] = _run_case("causal_long", rank, world, zigzag_shard, dtype=torch.bfloat16)
     results["wrong_layout"] = _run_case(WRONG_LAYOUT, rank, world, _contiguous_shard)
     results["bf16"] = _run_case(SUBGROUP_CASE, rank, world, zigzag_shard, dtype=torch.bfloat16)
     if world == 4:  # two rings of 2 in one world: group ranks are not global ranks (0, 2 and 1, 3)
@@ -156,6 +173,39 @@ def test_bf16_no_worse_than_one_device(ring_results, world):
     print(f"bf16 W={world} ring {ring} one device {one_device}")
     for key in ring:
         assert ring[key] <= 1.5 * one_device[key] + 1e-3, (key, ring, one_device)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fused_path_where_no_mask_but_causality(ring_results, world):
+    """Unmasked and causal cases take torch's fused kernel (one call of ring_attention each), every masked one the
+    blockwise engine; the fused cases are exact to 1e-5 in outputs and gradients, and so with the backward one query
+    head at a time."""
+    calls = ring_results(world)["fused_calls"]
+    for name in CASES:
+        assert calls[name] == [1 if name in FUSED else 0] * world, name
+    for name in FUSED:
+        errors = _errors(ring_results(world)[name], name, CASES[name][0])
+        assert max(errors.values()) <= 1e-5, (name, errors)
+    grouped = ring_results(world)["head_groups"]
+    errors = _errors(grouped, "causal_gqa_small_blocks", CASES["causal_gqa_small_blocks"][0])
+    assert max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fused_bf16_no_worse_than_stock(ring_results, world):
+    """bf16 on the fused path: error vs the fp32 reference no worse than stock's (torch's SDPA in bf16 on one
+    device; each key shard's partial output and gradients are rounded to bf16 once, as the kernel rounds its own)."""
+    q, k, v, dout, options, n = _inputs("causal_long")
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out.backward(dout.to(torch.bfloat16))
+    ref = _reference("causal_long")
+    stock = {key: ((got.float() - ref[key]).abs().max() / ref[key].abs().max()).item()
+             for key, got in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+    ring = _errors(ring_results(world)["bf16_fused"], "causal_long", n)
+    print(f"bf16 fused W={world} ring {ring} stock {stock}")
+    for key in ring:
+        assert ring[key] <= 1.25 * stock[key], (key, ring, stock)
 
 
 @pytest.mark.parametrize("world", WORLDS[1:])

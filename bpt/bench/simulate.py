@@ -50,8 +50,9 @@ def transformers_sees_real_tensors():
 
 @contextlib.contextmanager
 def counting_blockwise_calls(paths):
-    """Count calls of the attention paths that are not SDPA: the patch's blockwise kernel, torch's varlen one, and
-    torch's flash kernel with its backward in head groups (bpt.head_groups)."""
+    """Count calls of the attention paths that are not SDPA: the patch's blockwise kernel, torch's varlen one,
+    torch's flash kernel with its backward in head groups (bpt.head_groups), and ring attention on the fused kernel
+    (bpt.sequence_parallel.ring_fused)."""
     import bpt.attention as attention
 
     inner, varlen = attention._blockwise, attention.varlen_causal
@@ -70,14 +71,22 @@ def counting_blockwise_calls(paths):
             paths["flash-head-groups"] += 1
         return out
 
-    grouped = attention.head_grouped_attention
+    import bpt.sequence_parallel.ring as ring
+
+    def counted_ring(*args, **kwargs):
+        paths["ring-fused"] += 1
+        return fused_ring(*args, **kwargs)
+
+    grouped, fused_ring = attention.head_grouped_attention, ring.fused_ring_attention
     attention._blockwise, attention.varlen_causal = counted, counted_varlen
     attention.head_grouped_attention = counted_grouped
+    ring.fused_ring_attention = counted_ring
     try:
         yield
     finally:
         attention._blockwise, attention.varlen_causal = inner, varlen
         attention.head_grouped_attention = grouped
+        ring.fused_ring_attention = fused_ring
 
 
 def build_simulated_model(spec: dict, layers: int, device: torch.device | None = None):

@@ -32,10 +32,16 @@ the other replicated parameters' gradients (patches.sequence_parallel.reduce_gra
 Rows with no visible key follow `empty_rows` as on one device (bpt.engine.empty_rows), over the seq_len real keys:
 forward sums v over every shard as it passes, backward adds their contributions shard by shard.
 Not supported (raise ValueError): key_bias (a per-key bias must be built for the global sequence), dropout.
+
+Fused path: where no mask but causality applies and torch's fused kernel takes the shards, the pairs go to it instead,
+one kernel call per rectangle of a ring step, merged by logsumexp (`bpt.sequence_parallel.ring_fused`); everything
+above (layout, exchange, uneven lengths) is the same. Padding, packed documents, windows, ALiBi, softcap and sinks
+keep the blockwise engine.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,6 +53,7 @@ from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backwa
                         block_mask_args, check_empty_rows, empty_rows_backward_step, empty_rows_of, fill_empty_rows,
                         finish_rows, forward_step, make_plan, scaled_query_rows, sink_rows, start_rows)
 from bpt.sequence_parallel import traffic
+from bpt.sequence_parallel.ring_fused import fused_ring_applies, fused_ring_attention
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions"]
 
@@ -127,6 +134,7 @@ def ring_attention(
     kv_block: int = 1024,
     compile: bool | None = None,
     empty_rows: str = "zeros",
+    head_groups: Callable[[], int] | None = None,
 ) -> Tensor:
     """Self-attention over a sequence sharded across `group` (zigzag layout, see the module docstring).
 
@@ -135,7 +143,8 @@ def ring_attention(
     the global [B, N] inputs (same meaning as in blockwise_attention). seq_len: the global length before
     padding (default W * n). Every other option means what it means in blockwise_attention, on global
     positions; sinks [Hq] is global (its gradient here is this rank's share). key_bias and dropout are not
-    supported and raise ValueError.
+    supported and raise ValueError. head_groups: on the fused path, how many groups of query heads its backward's
+    kernel calls take in turn, asked when backward runs (bpt.head_groups' rule; None: all at once).
     """
     if key_bias is not None:
         raise ValueError("ring_attention does not support key_bias (yet); use blockwise_attention on one device, or "
@@ -160,6 +169,10 @@ def ring_attention(
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= padded:
         raise ValueError(f"seq_len must be an integer in [1, world * local length = {padded}], got {seq_len!r}")
     ring.seq_len = seq_len
+    masked = any(x is not None for x in (padding_mask, segment_ids, sliding_window, alibi_slopes, softcap, sinks))
+    if fused_ring_applies(q, k, v, causal, n // 2, masked):
+        return fused_ring_attention(q, k, v, float(q.shape[-1] ** -0.5 if scale is None else scale), causal, ring,
+                                    head_groups)
     b, hq = q.shape[:2]
     hkv = k.shape[1]
     spec = AttentionSpec.of(q, k, scale=scale, causal=causal, sliding_window=sliding_window, softcap=softcap,
