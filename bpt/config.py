@@ -5,9 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
-from bpt.head_groups import head_groups_for
+# torch is imported where a device is asked about, not here: `import bpt` (and the flag schema of train.qlora, which
+# reads these defaults) stays a fraction of a second, so a mistake in the flags is refused before torch loads.
 
 # The automatic chunk budget on a CUDA device: at most this share of its memory (an H100 80GB: 10 GB, the MLP of an 8B
 # QLoRA layer at 32K tokens in two chunks), and a quarter of what is free at the time beyond a reserve of a quarter of
@@ -129,7 +128,11 @@ class BPTConfig:
         """The most a chunk may ever hold: chunk_budget as set; auto: CHUNK_BUDGET_SHARE of a CUDA device, else 0."""
         if self.chunk_budget is not None:
             return self.chunk_budget
-        return int(torch.cuda.mem_get_info(device)[1] * CHUNK_BUDGET_SHARE) if device.type == "cuda" else 0
+        if device.type != "cuda":
+            return 0
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[1] * CHUNK_BUDGET_SHARE)
 
     def folds_norms(self, whole_bytes: int, device: torch.device) -> bool:
         """Whether a chunked MLP takes the lean norm before it into its backward (bpt.mlp.chunked_mlp's fold_norms),
@@ -150,6 +153,8 @@ class BPTConfig:
         largest = self.largest_budget(device)
         if not largest or whole_bytes <= largest:
             return None
+        from bpt.head_groups import head_groups_for
+
         return lambda: head_groups_for(q_heads, kv_heads, whole_bytes, self.budget_now(device))
 
 
@@ -159,6 +164,8 @@ def auto_chunk_budget(device: torch.device) -> int:
     other devices."""
     if device.type != "cuda":
         return 0
+    import torch
+
     free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     spare = (free - total * CHUNK_BUDGET_RESERVE) * CHUNK_BUDGET_FREE_SHARE

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from train.recipe.lifecycle import exit_process
-from train.run import loop, qlora
+from train.run import command, loop
 
 STEP = int(sys.argv.pop(1))
 save_checkpoint = loop.save_checkpoint
@@ -22,4 +22,4 @@ def save_then_crash(accelerator, model, optimizer, scheduler, args, step, *rest)
 
 
 loop.save_checkpoint = save_then_crash
-exit_process(qlora.main())
+exit_process(command.main())

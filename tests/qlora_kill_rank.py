@@ -9,7 +9,7 @@ import signal
 import sys
 
 from train.recipe.lifecycle import exit_process
-from train.run import loop, qlora
+from train.run import command, loop
 
 RANK, STEP = int(sys.argv.pop(1)), int(sys.argv.pop(1))
 train_step = loop.train_step
@@ -22,4 +22,4 @@ def train_step_then_die(model, group, optimizer, scheduler, accelerator, args, s
 
 
 loop.train_step = train_step_then_die
-exit_process(qlora.main())
+exit_process(command.main())

@@ -8,7 +8,7 @@ import os
 import sys
 
 from train.recipe.lifecycle import exit_process
-from train.run import qlora
+from train.run import command, qlora
 
 
 def stored_bytes(model) -> dict[str, int]:
@@ -33,4 +33,4 @@ def recording(run, directory: str):
 
 if __name__ == "__main__":
     qlora.run = recording(qlora.run, sys.argv.pop(1))
-    exit_process(qlora.main())
+    exit_process(command.main())

@@ -16,7 +16,7 @@ import pytest
 from cli_helpers import ENV, REPO, base_argv, metrics
 from train.recipe import checkpoint, lifecycle
 from train.recipe.lifecycle import Interrupted, interrupted_message, resume_command
-from train.run.qlora import main
+from train.run.command import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

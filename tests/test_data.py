@@ -188,8 +188,10 @@ def test_no_packing_says_once_how_many_documents_it_truncated(tok):
 
 def test_wrong_text_field_names_the_columns(tok):
     ds = datasets.Dataset.from_dict({"content": DOCS, "id": [1, 2, 3]})
-    with pytest.raises(UserError, match="'text'.*content, id"):
+    with pytest.raises(UserError, match="it has content, id.*text: 'text'.*--text_field"):
         build_train_dataset(tok, ds, max_seq_len=16)
+    with pytest.raises(UserError, match="column 'body' is not in .*available columns: content, id"):
+        build_train_dataset(tok, ds, max_seq_len=16, text_field="body")
 
 
 # --- packing ------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_qlora_eval_tasks_before_and_after_with_tracker_scalars(tiny, tmp_path, 
 
 
 def test_qlora_bad_eval_task_is_one_error_line(tiny, tmp_path, capsys):
-    from train.run.qlora import main as qlora_main
+    from train.run.command import main as qlora_main
 
     assert qlora_main(base_argv(tiny, tmp_path / "run", "--eval_tasks", "vt")) == 2
     line = error_line(capsys)

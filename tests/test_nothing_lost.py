@@ -17,7 +17,7 @@ import torch
 from cli_helpers import ENV, REPO, base_argv, error_line, metrics
 from train.recipe import checkpoint
 from train.run import loop
-from train.run.qlora import main
+from train.run.command import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

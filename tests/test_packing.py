@@ -11,7 +11,7 @@ from cli_helpers import base_argv
 from patches import FAMILIES
 from test_patches import make_batch
 from tiny_models import TINY_CONFIGS, VOCAB, tiny_model
-from train.run.qlora import main
+from train.run.command import main
 
 FIRST_DOCUMENT = 17  # make_batch("packed"): documents of 17, 20 and 8 tokens in each row
 

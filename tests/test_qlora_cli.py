@@ -19,7 +19,8 @@ import torch
 from cli_helpers import ENV, REPO, base_argv, error_line, losses, metrics
 from train.recipe.args import parse_args
 from train.run import loop
-from train.run.qlora import main, run
+from train.run.command import main
+from train.run.qlora import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

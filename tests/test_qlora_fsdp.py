@@ -12,7 +12,8 @@ import torch
 
 from cli_helpers import ENV, REPO, base_argv, losses, save_prequantized
 from train.recipe.args import parse_args
-from train.run.qlora import main, run
+from train.run.command import main
+from train.run.qlora import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

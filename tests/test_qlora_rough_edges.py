@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import REPO, base_argv, error_line, metrics
-from train.run.qlora import main
+from train.run.command import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,7 +10,8 @@ import pytest
 
 from cli_helpers import ENV, REPO, base_argv, losses, metrics
 from train.recipe.args import parse_args
-from train.run.qlora import main, run
+from train.run.command import main
+from train.run.qlora import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

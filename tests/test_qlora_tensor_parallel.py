@@ -13,7 +13,8 @@ import torch
 from cli_helpers import ENV, REPO, base_argv, losses, metrics, save_tiny_llama
 from qlora_storage import stored_bytes
 from train.recipe.args import parse_args
-from train.run.qlora import main, run
+from train.run.command import main
+from train.run.qlora import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

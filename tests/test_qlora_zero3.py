@@ -20,7 +20,8 @@ pytest.importorskip("deepspeed")
 
 from cli_helpers import ENV, REPO, base_argv, metrics, save_prequantized  # noqa: E402
 from train.recipe.args import parse_args  # noqa: E402
-from train.run.qlora import main, run  # noqa: E402
+from train.run.command import main
+from train.run.qlora import run  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

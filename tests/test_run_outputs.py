@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cli_helpers import base_argv, metrics
-from train.run.qlora import main, trainable_text
+from train.run.command import main
+from train.run.qlora import trainable_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

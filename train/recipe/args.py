@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from bpt.gpusim.gpus import DEVICES
 from train.errors import UserError
+from train.recipe.formats import FORMAT_CHOICES
+from train.recipe.presets import load_yaml, yaml_to_argv
 from train.recipe.rope import ROPE_TYPES, check_rope_flags
 
 TINY_LLAMA_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
@@ -69,11 +68,27 @@ class DataArguments:
     dataset: str = flag("passkey", "Hub dataset name, local json/jsonl/txt/parquet/csv file or directory, or "
                         "'passkey' (built-in synthetic passkey-retrieval data).")
     dataset_split: str = flag("train", "Split of the dataset to train on.")
-    text_field: str = flag("text", "Column holding the raw text (used when no prompt/response fields are given).")
-    prompt_field: str | None = flag(None, "Column holding the prompt (loss is masked on it); needs --response_field.")
-    response_field: str | None = flag(None, "Column holding the response the loss is computed on.")
-    packing: bool = flag(True, "Pack documents into max_seq_len rows (position ids restart per document).")
-    max_seq_len: int = flag(4096, "Tokens per training row.")
+    dataset_format: str = flag(
+        "auto", "Format of the dataset's rows: text (a 'text' column, every token trained), chat ('messages': "
+        "role / content turns rendered by the chat template, loss on the assistant turns), prompt_completion "
+        "('prompt' + 'completion', plain text or lists of turns; loss on the completion) or alpaca ('instruction', "
+        "optional 'input', 'output'; the Alpaca prompt, loss on the output); auto finds it from the columns, in "
+        "that order of preference (chat first, text last).", choices=FORMAT_CHOICES)
+    text_field: str = flag("text", "Column holding the raw text of the text format (setting it to another column "
+                           "chooses the text format).")
+    prompt_field: str | None = flag(None, "Column holding the prompt (no loss on it); needs --response_field; the "
+                                    "prompt_completion format on these two columns, joined as written (no separator).")
+    response_field: str | None = flag(None, "Column holding the response the loss is computed on (then EOS).")
+    chat_template: str | None = flag(
+        None, "File holding a Jinja chat template to render chat and conversational rows with, in place of the "
+        "tokenizer's (needed where the tokenizer has none); saved with the adapter's tokenizer.")
+    train_on_prompt: bool = flag(False, "Put every token of chat, prompt_completion and alpaca rows in the loss, "
+                                 "not only the answers.")
+    packing: bool = flag(True, "Pack rows of max_seq_len tokens (position ids restart per document): text documents "
+                         "one after another, a long one continuing in the next row; samples of the other formats "
+                         "whole, best fit, the rest of a row a padding document without loss.")
+    max_seq_len: int = flag(4096, "Tokens per training row. A chat, prompt_completion or alpaca sample longer than "
+                            "this is dropped (counted in the run's data line), never cut.")
     passkey_samples: int = flag(256, "Number of synthetic examples when --dataset passkey.")
     num_proc: int | None = flag(None, "Processes for tokenisation (datasets.map num_proc).")
 
@@ -172,6 +187,9 @@ class TrainArguments:
         None, "Only plan: simulate one training step of this run on this GPU (nothing downloaded, no weights "
         "loaded), print its predicted peak memory, whether it fits, the longest --max_seq_len that fits and the "
         "largest tensors at the peak, then exit without training.", choices=PLAN_DEVICES)
+    plan_longest: bool = flag(True, "With --plan, after the verdict search the longest --max_seq_len that fits: a few "
+                              "more simulated steps, each about as long as the first (minutes for an 8B model on a "
+                              "small CPU); --no_plan_longest stops after the verdict.")
     skip_memory_check: bool = flag(
         False, "Train even when the memory preflight refuses the run: before any data or weights load, this run's "
         "step, evaluation and --dataset passkey rows are estimated (--plan's simulation, on this CPU or GPU) and a "
@@ -317,50 +335,6 @@ def _add_flag(section, group: type, f: dataclasses.Field, default_run: dict) -> 
     section.add_argument(f"--{f.name}", *f.metadata.get("aliases", ()), dest=f.name, **kwargs)
 
 
-def _yaml_to_argv(values: dict, source: str) -> list[str]:
-    """Turn a YAML mapping of flag values into argv tokens (None = keep the default)."""
-    fields = schema_fields()
-    unknown = [key for key in values if key not in fields]
-    if unknown:
-        hints = [f"{key!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, fields, 1))
-                 else repr(key) for key in unknown]
-        raise UserError(f"{source}: unknown key(s) {', '.join(hints)}; keys must be flag names "
-                        "(python -m train.qlora --help)")
-    argv = []
-    for key, value in values.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            argv.append(f"--{key}" if value else f"--no_{key}")
-        elif isinstance(value, (list, tuple)):
-            argv += [f"--{key}", *map(str, value)]
-        elif isinstance(value, dict):
-            raise UserError(f"{source}: {key} must be a single value or a list, not a mapping")
-        else:
-            argv += [f"--{key}", str(value)]
-    return argv
-
-
-def load_yaml(path: str) -> dict:
-    """The mapping in a --config YAML file, or UserError saying what is wrong with it."""
-    try:
-        text = Path(path).read_text()
-    except OSError as error:
-        raise UserError(f"cannot read --config {path}: {error.strerror or error}") from None
-    try:
-        values = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        where = getattr(error, "problem_mark", None)
-        line = f" at line {where.line + 1}" if where else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise UserError(f"--config {path} is not valid YAML{line}: {problem}") from None
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise UserError(f"--config {path} must be a mapping of flag names to values, got {type(values).__name__}")
-    return values
-
-
 def parse_tokens(parser: argparse.ArgumentParser, argv: list[str], source: str = "command line") -> dict:
     """The flags given in `argv` (only those), or UserError naming `source`."""
     try:
@@ -380,7 +354,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
         yaml_values = load_yaml(config_path)
         if "config" in yaml_values:
             raise UserError(f"--config {config_path}: a config file cannot name another config")
-        yaml_values = parse_tokens(parser, _yaml_to_argv(yaml_values, config_path), config_path)
+        yaml_values = parse_tokens(parser, yaml_to_argv(yaml_values, config_path, schema_fields()), config_path)
     if "model_name_or_path" not in cli and "model_name_or_path" not in yaml_values:
         layers.update(DEFAULT_RUN)
     layers.update(yaml_values)

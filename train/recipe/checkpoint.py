@@ -30,9 +30,10 @@ import torch
 from safetensors import SafetensorError
 
 from train.errors import UserError, one_line
+from train.recipe.file_modes import as_umask_allows
+from train.recipe.run_dir import CHECKPOINT_PREFIX as PREFIX
+from train.recipe.run_dir import TMP_PREFIX, list_checkpoints  # noqa: F401  (callers read them here too)
 
-PREFIX = "checkpoint-"
-TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt",
                   "rng_state.pt", STATE_FILE)
@@ -65,15 +66,6 @@ def write_failure(error: BaseException) -> str:
         return os.strerror(error.errno)
     found = re.search(r"Os \{ code: (\d+)|os error (\d+)", str(error))
     return os.strerror(int(found.group(1) or found.group(2))) if found else one_line(error)
-
-
-def list_checkpoints(output_dir: str) -> list[str]:
-    """checkpoint-N directories in output_dir, oldest (lowest N) first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = [(int(m.group(1)), name) for name in os.listdir(output_dir)
-             if (m := re.fullmatch(rf"{PREFIX}(\d+)", name)) and os.path.isdir(os.path.join(output_dir, name))]
-    return [os.path.join(output_dir, name) for _, name in sorted(found)]
 
 
 def resolve(resume_from: str, output_dir: str) -> str:
@@ -156,7 +148,7 @@ def write_atomically(output_dir: str, name: str, write) -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    os.chmod(tmp, os.stat(output_dir).st_mode & 0o777)  # mkdtemp's 0700 -> the output directory's own mode
+    as_umask_allows(tmp)  # mkdtemp's 0700 and safetensors' -rw------- -> what the umask gives new files
     final = os.path.join(output_dir, name)
     if os.path.exists(final):  # left by an earlier attempt that ran past this step: replace it
         stale = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}stale-", dir=output_dir)

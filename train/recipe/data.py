@@ -1,4 +1,5 @@
-"""Training data: load text, tokenize in parallel, pack into fixed-length rows, collate batches.
+"""Training data: load it, tokenize in parallel by its format (train.recipe.formats: text, chat, prompt_completion,
+alpaca), pack into fixed-length rows, collate batches.
 
 Row format (every row, packed or not): input_ids, labels, position_ids, all of one length.
 labels are UNSHIFTED copies of input_ids (the HF convention: the model shifts) with -100 where a token
@@ -12,7 +13,6 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import datasets
 import numpy as np
@@ -21,12 +21,13 @@ import pyarrow.compute as pc
 import torch
 
 from train.errors import UserError, one_line
+from train.recipe.chat import check_has_template
+from train.recipe.data_files import BUILDER_KWARGS, local_files
+from train.recipe.formats import Chosen, check_kinds, choose, kind_of_feature
 from train.recipe.lifecycle import quieted
+from train.recipe.packing import pack_whole
+from train.recipe.samples import kept_rows, tokenize_samples
 
-# File suffix -> `datasets` builder. A .txt file is one document per file (not per line): long-context
-# training wants whole documents, and a book's line breaks are not document boundaries.
-_BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
-_BUILDER_KWARGS = {"text": {"sample_by": "document"}}
 # Below this many documents, worker processes cost more than they save.
 _MIN_DOCS_PER_PROC = 1000
 _EMPTY_CHECK_ROWS = 10_000  # documents checked for text at a time (whitespace is trimmed on a copy)
@@ -36,51 +37,9 @@ class DataWarning(UserWarning):
     """Something about the data the user should know (e.g. documents truncated by --no_packing)."""
 
 
-def _looks_local(source: str) -> bool:
-    # "owner/name" is a hub dataset; an explicit path or a data-file suffix means a local file.
-    return source.startswith((".", "/", "~")) or Path(source).suffix.lower() in _BUILDERS
-
-
-def _files_in(directory: Path) -> tuple[str, list[str]]:
-    """(builder, sorted files) for a directory; all supported files in it must share one format."""
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
-    if not files:
-        raise UserError(f"directory {directory} has no {'/'.join(_BUILDERS)} files; put the data files there "
-                        "or pass a file path")
-    builders = {_BUILDERS[p.suffix.lower()] for p in files}
-    if len(builders) > 1:
-        raise UserError(f"directory {directory} mixes formats ({', '.join(sorted(builders))}); keep one format "
-                        "per directory or pass a single file")
-    return builders.pop(), [str(p) for p in files]
-
-
-def _local_files(source: str) -> tuple[str, list[str]] | None:
-    """(builder, files) of a local file or directory, None for a hub name; UserError for a local path
-    that does not exist or holds no supported files."""
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return _files_in(path)
-    if path.is_file():
-        builder = _BUILDERS.get(path.suffix.lower())
-        if builder is None:
-            raise UserError(f"unsupported data file format '{path.suffix}' ({source}); use one of "
-                            f"{', '.join(_BUILDERS)}")
-        return builder, [str(path)]
-    if _looks_local(source):
-        raise UserError(f"data file {source} does not exist; check the path")
-    return None
-
-
-def check_source(source: str) -> None:
-    """The cheap checks of load_text_dataset (a local path exists, its format is supported) without
-    reading any data, to run before heavy work. Hub names and "passkey" pass."""
-    if source != "passkey":
-        _local_files(source)
-
-
 def load_text_dataset(source: str, *, split: str = "train") -> datasets.Dataset:
     """A local .json/.jsonl/.txt/.parquet/.csv file, a directory of such files, or a hub dataset name."""
-    local = _local_files(source)
+    local = local_files(source)
     if local is None:
         return _load_from_hub(source, split)
     builder, files = local
@@ -88,7 +47,7 @@ def load_text_dataset(source: str, *, split: str = "train") -> datasets.Dataset:
         # Local files always land in the builder's "train" split, whatever `split` asks for.
         # the json and csv builders' own "Failed to load JSON from file ..." line: the UserError names the file and line
         with quieted(f"datasets.packaged_modules.{builder}.{builder}", logging.CRITICAL):
-            ds = datasets.load_dataset(builder, data_files=files, split="train", **_BUILDER_KWARGS.get(builder, {}))
+            ds = datasets.load_dataset(builder, data_files=files, split="train", **BUILDER_KWARGS.get(builder, {}))
     except Exception as e:  # datasets raises many types for unreadable files
         where = (_locate_json_error(files) if builder == "json" else
                  _locate_non_utf8(files) if builder in ("text", "csv") else None)  # (parquet is binary)
@@ -199,26 +158,6 @@ def _tokenize_text(batch, *, tokenizer, text_field):
     return {"input_ids": ids, "labels": [list(x) for x in ids]}
 
 
-def _tokenize_prompt_response(batch, *, tokenizer, prompt_field, response_field):
-    # Prompt and response are tokenized separately so the boundary between masked and trained tokens
-    # is exact (tokenizing the concatenation could merge characters across it).
-    prompts = _encode(tokenizer, batch[prompt_field], True)
-    responses = _encode(tokenizer, batch[response_field], False)
-    eos = tokenizer.eos_token_id
-    input_ids, labels = [], []
-    for p, r in zip(prompts, responses):
-        input_ids.append(p + r + [eos])
-        labels.append([-100] * len(p) + r + [eos])
-    return {"input_ids": input_ids, "labels": labels}
-
-
-def _check_fields(ds: datasets.Dataset, fields: list[str], source) -> None:
-    for field in fields:
-        if field not in ds.column_names:
-            raise UserError(f"column '{field}' is not in dataset {source}; available columns: "
-                            f"{', '.join(ds.column_names)} (set --text_field or --prompt_field/--response_field)")
-
-
 def _default_num_proc(n_docs: int) -> int | None:
     if n_docs < 2 * _MIN_DOCS_PER_PROC:
         return None
@@ -238,24 +177,23 @@ def _check_not_all_empty(ds: datasets.Dataset, field: str, source, flag: str) ->
                     f"train on; point {flag} at the column that holds the text")
 
 
-def tokenize_dataset(tokenizer, ds: datasets.Dataset, *, text_field="text", prompt_field=None,
-                     response_field=None, num_proc=None, source="") -> datasets.Dataset:
-    """Documents -> rows of input_ids and labels (each document ends with EOS)."""
+def choose_format(ds: datasets.Dataset, *, dataset_format: str = "auto", text_field: str = "text",
+                  prompt_field: str | None = None, response_field: str | None = None, source: str = "") -> Chosen:
+    """The dataset's format (train.recipe.formats), its columns checked for what the format reads."""
+    chosen = choose(ds.column_names, dataset_format=dataset_format, text_field=text_field,
+                    prompt_field=prompt_field, response_field=response_field, source=source)
+    kinds = {name: kind_of_feature(feature) for name, feature in ds.features.items()}
+    return check_kinds(chosen, kinds, source)
+
+
+def tokenize_dataset(tokenizer, ds: datasets.Dataset, *, text_field="text", num_proc=None, source=""
+                     ) -> datasets.Dataset:
+    """Text documents -> rows of input_ids and labels (each document ends with EOS, every token trained)."""
     if tokenizer.eos_token_id is None:
         raise UserError("the tokenizer has no eos_token; set one (documents are separated by EOS)")
-    if (prompt_field is None) != (response_field is None):
-        raise UserError("give both --prompt_field and --response_field, or neither (then --text_field is used)")
-    if prompt_field is not None:
-        _check_fields(ds, [prompt_field, response_field], source)
-        _check_not_all_empty(ds, response_field, source, "--response_field")
-        fn, kwargs = _tokenize_prompt_response, {"prompt_field": prompt_field, "response_field": response_field}
-    else:
-        _check_fields(ds, [text_field], source)
-        _check_not_all_empty(ds, text_field, source, "--text_field")
-        fn, kwargs = _tokenize_text, {"text_field": text_field}
-    return ds.map(fn, batched=True, num_proc=num_proc if num_proc is not None else _default_num_proc(len(ds)),
-                  remove_columns=ds.column_names, fn_kwargs={"tokenizer": tokenizer, **kwargs},
-                  desc="tokenizing")
+    _check_not_all_empty(ds, text_field, source, "--text_field")
+    return ds.map(_tokenize_text, batched=True, num_proc=num_proc, remove_columns=ds.column_names,
+                  fn_kwargs={"tokenizer": tokenizer, "text_field": text_field}, desc="tokenizing")
 
 
 def _packed_rows(tokenized: datasets.Dataset, max_seq_len: int, batch_docs: int = 1000):
@@ -328,18 +266,22 @@ def truncation_note(tokenized: datasets.Dataset, max_seq_len: int) -> str | None
 
 
 def build_train_dataset(tokenizer, source: str | datasets.Dataset, *, max_seq_len: int, text_field: str = "text",
-                        prompt_field: str | None = None, response_field: str | None = None, packing: bool = True,
+                        prompt_field: str | None = None, response_field: str | None = None,
+                        dataset_format: str = "auto", train_on_prompt: bool = False, packing: bool = True,
                         num_proc: int | None = None, seed: int = 0, passkey_samples: int = 256,
-                        passkey_answer_only: bool = True,
-                        warn: Callable[[str], None] | None = None) -> datasets.Dataset:
+                        passkey_answer_only: bool = True, warn: Callable[[str], None] | None = None,
+                        report: Callable[[str], None] | None = None) -> datasets.Dataset:
     """Rows of input_ids, labels, position_ids ready for Collator.
 
     source "passkey" is the built-in synthetic passkey data (passkey_samples rows of max_seq_len tokens,
     loss on the answer only unless passkey_answer_only=False; see train.recipe.passkey.passkey_dataset);
-    otherwise a Dataset or anything load_text_dataset accepts. packing=True fills rows of exactly
-    max_seq_len tokens with consecutive documents; packing=False keeps one document per row, truncated
-    to max_seq_len (the collator pads); how many documents that cut short goes to `warn` (default: a
-    DataWarning), once.
+    otherwise a Dataset or anything load_text_dataset accepts, in a format of train.recipe.formats (found from
+    its columns unless the flags name it). Text: packing=True fills rows of exactly max_seq_len tokens with
+    consecutive documents (a long one continues in the next row); packing=False keeps one document per row,
+    truncated to max_seq_len (the collator pads); how many documents that cut short goes to `warn` (default: a
+    DataWarning), once. The other formats keep each sample whole: one longer than max_seq_len is dropped (counted),
+    and packing fills rows with whole samples (train.recipe.packing). `report` gets one line: the format, why,
+    and what became of the rows.
     """
     if max_seq_len < 2:
         raise UserError(f"max_seq_len must be at least 2 (got {max_seq_len})")
@@ -347,15 +289,49 @@ def build_train_dataset(tokenizer, source: str | datasets.Dataset, *, max_seq_le
         from train.recipe.passkey import passkey_dataset
 
         return passkey_dataset(tokenizer, passkey_samples, max_seq_len, seed, answer_only_loss=passkey_answer_only)
-    ds = load_text_dataset(source) if isinstance(source, str) else _non_empty(source, "(in memory)")
-    tokenized = tokenize_dataset(tokenizer, ds, text_field=text_field, prompt_field=prompt_field,
-                                 response_field=response_field, num_proc=num_proc, source=source if isinstance(source, str) else "(in memory)")
+    name = source if isinstance(source, str) else "(in memory)"
+    ds = load_text_dataset(source) if isinstance(source, str) else _non_empty(source, name)
+    chosen = choose_format(ds, dataset_format=dataset_format, text_field=text_field, prompt_field=prompt_field,
+                           response_field=response_field, source=name)
+    num_proc = num_proc if num_proc is not None else _default_num_proc(len(ds))
+    say = report or (lambda line: None)
+    if chosen.format.name == "text":
+        tokenized = tokenize_dataset(tokenizer, ds, text_field=chosen.columns["text"], num_proc=num_proc, source=name)
+        say(f"data: text format ({chosen.why}), column '{chosen.columns['text']}'; {len(tokenized):,} documents; "
+            f"the loss covers every token; " + ("packed into rows of --max_seq_len, a long document continuing in the "
+                                                 "next row" if packing else "one document per row"))
+        if packing:
+            return pack(tokenized, max_seq_len)
+        note = truncation_note(tokenized, max_seq_len)
+        if note:
+            (warn or _warn)(note)
+        return tokenized.map(_truncate, batched=True, fn_kwargs={"max_seq_len": max_seq_len}, desc="truncating")
+    return _samples(tokenizer, ds, chosen, name, max_seq_len=max_seq_len, packing=packing,
+                    train_on_prompt=train_on_prompt, num_proc=num_proc, say=say)
+
+
+def _samples(tokenizer, ds, chosen: Chosen, source: str, *, max_seq_len, packing, train_on_prompt, num_proc, say):
+    """Rows of a format with a prompt: whole samples, dropped when longer than max_seq_len, packed whole or one per
+    row."""
+    if chosen.format.name == "chat" or chosen.conversational:
+        check_has_template(tokenizer, getattr(tokenizer, "name_or_path", "") or "this model")
+    elif chosen.format.name == "prompt_completion":
+        _check_not_all_empty(ds, chosen.columns["completion"], source,
+                             "--response_field" if chosen.why.startswith("--prompt") else "--dataset_format")
+    tokenized, kept = kept_rows(tokenize_samples(tokenizer, ds, chosen, train_on_prompt=train_on_prompt,
+                                                 num_proc=num_proc), max_seq_len)
+    covers = "every token (--train_on_prompt)" if train_on_prompt else chosen.format.loss
+    say(f"data: {chosen.name} format ({chosen.why}); {kept.text(max_seq_len)}; the loss covers {covers}; "
+        + ("packed whole into rows of --max_seq_len" if packing else "one sample per row"))
+    if not len(tokenized):
+        raise UserError(f"no row of dataset {source} is left to train on ({kept.text(max_seq_len)})")
     if packing:
-        return pack(tokenized, max_seq_len)
-    note = truncation_note(tokenized, max_seq_len)
-    if note:
-        (warn or _warn)(note)
-    return tokenized.map(_truncate, batched=True, fn_kwargs={"max_seq_len": max_seq_len}, desc="truncating")
+        return pack_whole(tokenized, max_seq_len, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    return tokenized.map(_positions, batched=True, desc="positions")
+
+
+def _positions(batch):
+    return {"position_ids": [list(range(len(x))) for x in batch["input_ids"]]}
 
 
 class Collator:

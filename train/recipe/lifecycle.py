@@ -13,11 +13,11 @@ import sys
 import threading
 import time
 
-import torch
-
 from train.parallel.layout import launched_world_size
-from train.recipe import checkpoint
 from train.recipe.args import Args
+
+# torch (and what imports it) is imported where it is used: the command line refuses bad flags with these helpers
+# before torch loads.
 
 # ---------------------------------------------------------------- SIGINT / SIGTERM
 
@@ -187,6 +187,8 @@ def stopped_message(what: str, last_checkpoint: str | None, args: Args | None, a
     resumes from it."""
     last = last_checkpoint
     if last is None and args is not None:  # whatever an earlier part of the run saved
+        from train.recipe import checkpoint
+
         found = checkpoint.list_checkpoints(args.output_dir)
         last = found[-1] if found else None
     where = (f"the last checkpoint is {last}; resume with: {resume_command(argv)}" if last
@@ -290,7 +292,8 @@ def leave(message: str, code: int, *, here: bool | None = None) -> int:
 def close_process_group() -> None:
     """Destroy the process group (all of them) while the interpreter is whole: left to its exit, gloo's worker threads
     can abort the process after a finished run (SIGABRT, "terminate called without an active exception")."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    torch = sys.modules.get("torch")  # never imported: no process group either
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAn
 
 from train.errors import UserError, one_line
 from train.recipe.args import BPT_OPTIONS
+from train.recipe.file_modes import as_umask_allows
 from train.recipe.run_dir import ADAPTER_CONFIG_FILE, RUN_INFO_FILE, read_adapter_dir
 
 def load_config(name_or_path: str, trust_remote_code: bool):
@@ -254,6 +255,7 @@ def merge_adapter(args, config, adapter_dir: str, merged_dir: str, tokenizer) ->
     merged.config.use_cache = True
     merged.save_pretrained(merged_dir)
     tokenizer.save_pretrained(merged_dir)
+    as_umask_allows(merged_dir)  # safetensors writes model.safetensors -rw-------
 
 
 @dataclass

@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 
 from train.errors import UserError, one_line
-from train.recipe import checkpoint
+from train.recipe.file_modes import as_umask_allows
+
 
 METRICS_FILE = "metrics.jsonl"
 RUN_INFO_FILE = "run_info.json"
@@ -27,6 +29,8 @@ EVAL_FILE = "eval.json"
 EVAL_RESULTS_FILE = "eval_results.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's
 MERGED_DIR = "merged"
+CHECKPOINT_PREFIX = "checkpoint-"  # checkpoint-N (train.recipe.checkpoint writes them)
+TMP_PREFIX = ".tmp-"  # what a write in progress is called until it is complete
 
 
 def write_json(path: str, data: dict) -> None:
@@ -37,6 +41,7 @@ def write_json(path: str, data: dict) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2, default=str)
+        as_umask_allows(tmp)  # mkstemp's -rw-------
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -48,10 +53,11 @@ def write_adapter(output_dir: str, model, weights: dict, tokenizer) -> None:
     """The final adapter and tokenizer into output_dir, all or nothing: written into a hidden directory there, then
     each file moved in, so a write that fails (a full disk) leaves none of its files, and those of an earlier run in
     place. The directory is removed either way (after a crash: by checkpoint.remove_leftovers)."""
-    tmp = tempfile.mkdtemp(prefix=f"{checkpoint.TMP_PREFIX}adapter-", dir=output_dir)
+    tmp = tempfile.mkdtemp(prefix=f"{TMP_PREFIX}adapter-", dir=output_dir)
     try:
         model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
+        as_umask_allows(tmp)  # safetensors writes its files -rw-------
         for name in os.listdir(tmp):
             os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
     finally:
@@ -89,6 +95,15 @@ def check_writable(directory: str, flag: str = "--output_dir") -> None:
                         "or fix its permissions") from None
 
 
+def list_checkpoints(output_dir: str) -> list[str]:
+    """checkpoint-N directories in output_dir, oldest (lowest N) first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(output_dir)
+             if (m := re.fullmatch(rf"{CHECKPOINT_PREFIX}(\d+)", name)) and os.path.isdir(os.path.join(output_dir, name))]
+    return [os.path.join(output_dir, name) for _, name in sorted(found)]
+
+
 def is_finished(output_dir: str) -> bool:
     return os.path.isfile(os.path.join(output_dir, RUN_INFO_FILE))
 
@@ -102,7 +117,7 @@ def check_output_dir(output_dir: str, *, resuming: bool, overwrite: bool) -> Non
         raise UserError(f"--output_dir {output_dir} already holds a finished run; pass --overwrite_output_dir to "
                         "replace it, --resume_from_checkpoint latest with a larger --max_steps to extend it, or "
                         "choose another --output_dir")
-    found = checkpoint.list_checkpoints(output_dir)
+    found = list_checkpoints(output_dir)
     if found:
         raise UserError(f"--output_dir {output_dir} holds checkpoints of an unfinished run "
                         f"({os.path.basename(found[-1])}); pass --resume_from_checkpoint latest to continue it or "
@@ -111,7 +126,7 @@ def check_output_dir(output_dir: str, *, resuming: bool, overwrite: bool) -> Non
 
 def clear_previous_run(output_dir: str) -> None:
     """--overwrite_output_dir: remove what an earlier run wrote (only our own files)."""
-    for path in checkpoint.list_checkpoints(output_dir) + [os.path.join(output_dir, MERGED_DIR)]:
+    for path in list_checkpoints(output_dir) + [os.path.join(output_dir, MERGED_DIR)]:
         shutil.rmtree(path, ignore_errors=True)
     pictures = [name for name in os.listdir(output_dir) if name == "loss.png" or
                 (name.startswith("accuracy_") and name.endswith(".png"))]

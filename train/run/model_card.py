@@ -8,6 +8,7 @@ import os
 import tempfile
 
 from train.evaluation.metrics import format_table
+from train.recipe.file_modes import as_umask_allows
 
 CARD_FILE = "README.md"  # the name peft (and the hub) give a model card
 
@@ -79,6 +80,7 @@ def write_model_card(output_dir: str, args, **fields) -> str:
     try:  # whole or not at all, as run_dir.write_json
         with os.fdopen(fd, "w") as f:
             f.write(model_card(args, **fields))
+        as_umask_allows(tmp)  # mkstemp's -rw-------
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

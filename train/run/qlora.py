@@ -38,12 +38,10 @@ from train.errors import UserError
 from train.evaluation.metrics import EVAL_SEED
 from train.parallel.layout import launched_world_size, make_layout
 from train.recipe import checkpoint, run_dir
-from train.recipe.args import TINY_LLAMA_DIR, Args, parse_args
-from train.recipe.lifecycle import (SIGNALS, Interrupted, close_process_group, interrupted_message, leave,
-                                    silence_library_noise, stopped_message)
+from train.recipe.args import Args
+from train.recipe.lifecycle import silence_library_noise
 from train.run import loop
-from train.run.peers import PeerLost
-from train.run.plan import PlanFailed, print_plan
+from train.run.quick_checks import check_data_format, quick_checks
 from train.run.trackers import check_tracker, init_trackers, log_heatmaps
 
 
@@ -74,7 +72,7 @@ def preflight(args: Args) -> Preflight:
     from train.parallel.deepspeed import check_zero3, launcher_zero3
     from train.parallel.fsdp import check_fsdp, use_launcher_fsdp
     from train.parallel.layout import check_layout, check_tensor_parallel_model
-    from train.recipe.data import check_source
+    from train.recipe.chat import read_chat_template
     from train.recipe.model import check_bpt_support, check_packing, check_weight_files, load_config, load_tokenizer
     from train.recipe.rope import apply_rope_scaling
     from train.run.memory_check import check_memory
@@ -85,14 +83,9 @@ def preflight(args: Args) -> Preflight:
         from train.evaluation.tasks import check_task_names
 
         args.eval_tasks = check_task_names(args.eval_tasks, "--eval_tasks")
-    run_dir.check_output_dir(args.output_dir, resuming=bool(args.resume_from_checkpoint),
-                             overwrite=args.overwrite_output_dir)
+    quick_checks(args)  # output dir, data file and its columns (the command line ran them before torch loaded)
     resume_path = (checkpoint.resolve(args.resume_from_checkpoint, args.output_dir)
                    if args.resume_from_checkpoint else None)
-    if args.model_name_or_path == str(TINY_LLAMA_DIR) and not TINY_LLAMA_DIR.is_dir():
-        raise UserError(f"the bundled tiny llama ({TINY_LLAMA_DIR}) has not been built: run python -m "
-                        "train.pretrain_tiny, or name a model with --model_name_or_path")
-    check_source(args.dataset)  # the file exists; its content is read with the data, after the model config
     config = load_config(args.model_name_or_path, args.trust_remote_code)
     check_weight_files(args.model_name_or_path)
     if args.bpt:
@@ -108,6 +101,9 @@ def preflight(args: Args) -> Preflight:
     check_tensor_parallel_model(args, config)
     rope_factor = apply_rope_scaling(config, args.max_seq_len, args.rope_scaling, args.rope_factor)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    if args.chat_template:
+        tokenizer.chat_template = read_chat_template(args.chat_template)
+    check_data_format(args, tokenizer)  # from a local file's first record; a hub dataset's when it loads
     # Last of the checks that allocate nothing (a second or two of simulated steps), and first of those that do: the
     # evaluation's length check below builds prompts of --eval_lengths tokens.
     check_memory(args, zero3)
@@ -193,20 +189,26 @@ def start_position(accelerator, args: Args, resume_path: str | None, model, opti
 # ---------------------------------------------------------------- data
 
 def load_data(args: Args, tokenizer, *, main_process: bool = True):
-    """The training rows; notes about the data (truncation) are printed once, by the main process."""
+    """The training rows; the data's format and what became of its rows, and notes (truncation), are printed once,
+    by the main process."""
     from train.recipe.data import build_train_dataset, load_text_dataset
 
     def note(message: str) -> None:
         if main_process:
             print(f"note: {message}", file=sys.stderr, flush=True)
 
+    def say(line: str) -> None:
+        if main_process:
+            print(line, file=sys.stderr, flush=True)
+
     source = args.dataset
     if source != "passkey" and args.dataset_split != "train":  # build_train_dataset loads the train split
         source = load_text_dataset(args.dataset, split=args.dataset_split)
     dataset = build_train_dataset(
         tokenizer, source, max_seq_len=args.max_seq_len, text_field=args.text_field,
-        prompt_field=args.prompt_field, response_field=args.response_field, packing=args.packing,
-        num_proc=args.num_proc, seed=args.seed, passkey_samples=args.passkey_samples, warn=note)
+        prompt_field=args.prompt_field, response_field=args.response_field, dataset_format=args.dataset_format,
+        train_on_prompt=args.train_on_prompt, packing=args.packing, num_proc=args.num_proc, seed=args.seed,
+        passkey_samples=args.passkey_samples, warn=note, report=say)
     if len(dataset) == 0:
         raise UserError(f"dataset {args.dataset} gives no training rows at --max_seq_len {args.max_seq_len}")
     return dataset
@@ -391,29 +393,3 @@ def finished_message(args: Args, steps: int) -> str:
         parts.append(f"merged model in {os.path.join(out, run_dir.MERGED_DIR)}")
     return (f"done: {steps} step{'s' if steps != 1 else ''}; {'; '.join(parts)}; evaluate with python -m train.eval "
             f"--adapter {out}; extend with --resume_from_checkpoint latest and a larger --max_steps")
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = None
-    silence_library_noise()
-    with SIGNALS.mode(graceful=False):
-        try:
-            args = parse_args(argv)
-            if args.plan:  # a simulated step of this run, printed; nothing loaded, no training
-                print_plan(args)
-                return 0
-            run(args)
-            close_process_group()
-        except UserError as error:
-            return leave(f"error: {error}", 2)
-        except PlanFailed as error:
-            return leave(f"error: {error}", 1)
-        except (checkpoint.SaveFailed, PeerLost) as error:  # a dead process: the lowest rank alive prints
-            return leave(stopped_message(str(error), error.last_checkpoint, args, argv), 1, here=error.report)
-        except loop.TrainingDiverged as error:
-            return leave(f"error: {error}", 1)
-        except Interrupted as stop:
-            return leave(interrupted_message(stop, args, argv), stop.exit_code)
-    return 0
-
