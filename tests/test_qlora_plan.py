@@ -16,7 +16,7 @@ from cli_helpers import ENV, REPO, base_argv, error_line
 from train.recipe.args import PLAN_DEVICES, TrainArguments, parse_args
 from train.run.plan import (OPTIMIZER_STATE_BYTES, RESOLUTION, format_verdict, longest_fitting_length, model_config,
                         print_plan, step_spec)
-from train.run.qlora import main
+from train.run.command import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -251,3 +251,55 @@ def test_a_long_ring_plan_says_it_will_take_long(tiny, tmp_path, capsys, monkeyp
         with pytest.raises(plan.PlanFailed):
             plan.print_plan(args, echo=lambda line: None)
         assert ("ring attention is simulated block by block" in capsys.readouterr().err) == said
+
+
+def _linear_step(calls: list):
+    """A stand-in for the simulated step of the 8B preset (minutes on a CPU): a peak linear in the length, 12 GiB
+    plus 0.3 MiB a token (longest fitting on an 80 GB card: ~221K tokens), and the fields the plan prints."""
+    def simulate(spec):
+        calls.append(spec["seq_len"])
+        return {"ok": True, "peak_bytes": (12 << 30) + spec["seq_len"] * 300 * 1024, "trainable_params": 526_667_776,
+                "tokens_per_rank": spec["seq_len"], "layers": 2, "depth": 32, "extrapolated": True,
+                "peak_holders": []}
+    return simulate
+
+
+def test_the_8b_preset_plan_estimates_its_search_shows_each_length_and_can_skip_it(monkeypatch, capsys):
+    import train.run.plan as plan
+    from bpt.gpusim.gpus import device
+
+    calls = []
+    monkeypatch.setattr(plan, "simulate", _linear_step(calls))
+    assert main(["--config", str(LLAMA_8B_64K), "--plan", "h100-80gb"]) == 0
+    captured = capsys.readouterr()
+    assert re.search(rf"searching the longest --max_seq_len that fits: ~{plan.SEARCH_STEPS} more simulated steps of "
+                     r"~\d+ s, ~\d+ s \(--no_plan_longest: stop after the verdict\)", captured.err)
+    progress = re.findall(r"^plan:   --max_seq_len ([\d,]+): ([\d.]+) GiB, (fits|does not fit) \(", captured.err, re.M)
+    assert [int(n.replace(",", "")) for n, _, _ in progress] == calls[1:] and len(progress) >= 2
+    usable = device("h100-80gb").usable_bytes / (1 << 30)
+    for _, gib, verdict in progress:  # each length's peak (the optimizer state with it) against the card
+        assert verdict == ("fits" if float(gib) <= usable else "does not fit")
+    assert {verdict for _, _, verdict in progress} == {"fits", "does not fit"}
+    assert re.search(r"^  longest  --max_seq_len \d+ fits, \d+ does not", captured.out, re.M)
+
+    calls.clear()
+    assert main(["--config", str(LLAMA_8B_64K), "--plan", "h100-80gb", "--no_plan_longest"]) == 0
+    captured = capsys.readouterr()
+    assert calls == [65536]  # the verdict's step, no search
+    assert captured.out.rstrip().endswith("  longest  not searched (--no_plan_longest); no training was run")
+    assert "searching" not in captured.err and "plan:   --max_seq_len" not in captured.err
+
+
+def test_a_stopped_plan_does_not_talk_of_checkpoints(monkeypatch, capsys):
+    import signal
+
+    import train.run.plan as plan
+    from train.recipe.lifecycle import Interrupted
+
+    def stopped(spec):
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(plan, "simulate", stopped)
+    assert main(["--config", str(LLAMA_8B_64K), "--plan", "h100-80gb"]) == 143
+    line = error_line(capsys)
+    assert line == "error: the plan was stopped by SIGTERM; nothing was trained or written"

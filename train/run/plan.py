@@ -34,6 +34,7 @@ RESOLUTION = 1024  # the longest --max_seq_len is found to this many tokens
 SEARCH_CAP = 1 << 20  # ... and at most this many, where the model's positions set no limit
 SHALLOW_LAYERS = 2  # layers simulated (and one more) before extrapolating to the depth
 GUIDED_PROBES = 6  # probes placed by linear interpolation of the peak before plain bisection takes over
+SEARCH_STEPS = 4  # simulated steps the longest search usually takes after the verdict's (the 8B preset's: 4)
 WORKER_TIMEOUT_S = 1800
 RING_QUICK = 16384  # tokens a rank whose ring attention simulates in about a minute (an 8B model, 2 and 3 layers)
 GIB, MIB = 1 << 30, 1 << 20
@@ -284,7 +285,8 @@ def check_plannable(args, config) -> None:
 
 
 def print_plan(args, echo: Callable[[str], None] = print) -> Planned:
-    """Simulate this run's step on args.plan, print the verdict (then the longest --max_seq_len); no weights."""
+    """Simulate this run's step on args.plan, print the verdict, then (unless --no_plan_longest) the longest
+    --max_seq_len that fits, with a line per length simulated; no weights."""
     from bpt.gpusim.gpus import device
 
     gpu = device(args.plan)
@@ -308,15 +310,25 @@ def print_plan(args, echo: Callable[[str], None] = print) -> Planned:
     for line in format_verdict(args, result):
         echo(line)
     sys.stdout.flush()
-    print("plan: searching the longest --max_seq_len that fits (a few more simulated steps) ...", file=sys.stderr,
-          flush=True)
+    if not args.plan_longest:
+        echo("  longest  not searched (--no_plan_longest); no training was run")
+        return result
+    first = time.perf_counter() - started  # the search's steps each take about as long (longer lengths longer)
+    print(f"plan: searching the longest --max_seq_len that fits: ~{SEARCH_STEPS} more simulated steps of ~"
+          f"{duration(first)}, ~{duration(first * SEARCH_STEPS)} (--no_plan_longest: stop after the verdict)",
+          file=sys.stderr, flush=True)
     result.cap, why = length_cap(config, args)
     peaks = {args.max_seq_len: row["peak_bytes"]}
-    result.longest, result.first_over = longest_fitting_length(
-        # the optimizer state and kept gradients are on the device beside each step: not free for its chunks
-        lambda n: simulate({**step_spec(args, config, n, adapters), "resident_bytes": added})["peak_bytes"],
-        gpu.usable_bytes - added,
-        result.cap, peaks)
+    limit = gpu.usable_bytes - added  # the optimizer state and kept gradients are on the device beside each step
+
+    def probe(n: int) -> int:
+        began = time.perf_counter()
+        peak = simulate({**step_spec(args, config, n, adapters), "resident_bytes": added})["peak_bytes"]
+        print(f"plan:   --max_seq_len {n:,}: {size(peak + added)}, {'fits' if peak <= limit else 'does not fit'} "
+              f"({duration(time.perf_counter() - began)})", file=sys.stderr, flush=True)
+        return peak
+
+    result.longest, result.first_over = longest_fitting_length(probe, limit, result.cap, peaks)
     for line in format_longest(args, result, why, len(peaks), time.perf_counter() - started):
         echo(line)
     return result
