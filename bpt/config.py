@@ -32,9 +32,10 @@ class BPTConfig:
         launches and host work per step. None: auto_chunk_budget (CUDA; 0 elsewhere); 0: the sizes above exactly.
     compile: torch.compile the per-block functions; None means "where it was measured
         to help" (CUDA tensors), True forces it, False turns it off.
-    eval_logits: with labels in eval mode (`model.eval()`), also return the full logits, as stock
-        does (HF Trainer's evaluate / predict / compute_metrics need them; they cost N x vocab
-        memory). False keeps evaluation like training: loss only, logits None, O(N) memory.
+    eval_logits: with labels in evaluation (`model.eval()` and gradients off, as HF Trainer's evaluate / predict
+        run), also return the full logits, as stock does (compute_metrics needs them; they cost N x vocab memory).
+        With gradients on, logits are never made, whatever model.training. False keeps evaluation like training:
+        loss only, logits None, O(N) memory.
     offload_checkpoints: in training, keep the whole-sequence activations saved between forward and backward (the
         layer checkpoints, the final norm's and the loss's input) in host memory (patches/offload.py); needs
         gradient checkpointing.

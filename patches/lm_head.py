@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from bpt.config import BPTConfig
@@ -19,9 +20,11 @@ _CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else 
 def causal_lm_forward(model, original, family: Family, options: BPTConfig):
     """Replacement for `model.forward`. Without labels it is the stock forward (logits as usual);
     with labels it runs the base model and the chunked LM head + cross entropy, returning
-    `loss` with `logits=None`. In eval mode with `options.eval_logits`, labels too go through the
-    stock forward (logits and stock's loss), so evaluation metrics see what they see unpatched; shift_labels
-    without labels (a sequence-parallel shard's) always take the chunked loss."""
+    `loss` with `logits=None`. Evaluation (eval mode and gradients off: HF Trainer's evaluate / predict) with
+    `options.eval_logits` takes the stock forward with labels too (logits and stock's loss), so evaluation metrics
+    see what they see unpatched; a loss that will be differentiated never does, whatever `model.training` says (a
+    model fresh from `from_pretrained` is in eval mode). shift_labels without labels (a sequence-parallel shard's)
+    always take the chunked loss."""
     signature = inspect.signature(original)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
     softcap = getattr(model.config, family.logit_softcap, None) if family.logit_softcap else None
@@ -34,7 +37,7 @@ def causal_lm_forward(model, original, family: Family, options: BPTConfig):
         _check_positions(model, family, arguments)
         if labels is None and extra.get("shift_labels") is None:
             return original(*args, **kwargs)
-        if options.eval_logits and not model.training and labels is not None:
+        if options.eval_logits and not model.training and not torch.is_grad_enabled() and labels is not None:
             return original(*args, **kwargs)  # (stock computes no loss from shift_labels alone: the split path's)
         if arguments.get("output_router_logits") or getattr(model.config, "output_router_logits", False):
             raise NotImplementedError("the MoE router auxiliary loss is not computed by the patched loss; "
