@@ -32,9 +32,12 @@ def _sent_by_formula(mode: str, seq_len: int, elem: int, config: dict, world: in
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_a_rank_on_fake_tensors_allocates_what_real_tensors_do_and_sends_the_formula(mode):
     """Fake CPU tensors vs real ones, each over the fake group (Ulysses at an uneven length, padded; ring at an even
-    one: its padded keys are skipped block by block as the data say, where the data oracle keeps them). One difference,
+    one: its padded keys are skipped block by block as the data say, where the data oracle keeps them). Differences,
     known: ring's zigzag positions jump, so transformers takes the rank's shard for packed documents and keeps their
-    index ([B, n] int64, `find_packed_sequence_indices`) where the data oracle's answer ("all one document") drops it."""
+    index ([B, n] int64, `find_packed_sequence_indices`) where the data oracle's answer ("all one document") drops it;
+    and ring's peak (its attention on the fused kernel, light) is in the forward's loss, where the indices of the
+    labelled tokens are alive (nonzero [L, 1], index_select [L], int64): the oracle counts every token of the rank
+    labelled (152), the real rank 0 holds the last token, whose shifted label is none (151)."""
     n = 304 if mode == "ring" else 301
     config = resolve_model_config("tiny", n)
     spec = dict(simulate="cpu", side="patched", seq_len=n, model_config=config, bits=32, lora=True, lora_r=4,
@@ -42,7 +45,7 @@ def test_a_rank_on_fake_tensors_allocates_what_real_tensors_do_and_sends_the_for
     fake, real = run_simulation(spec), run_simulation({**spec, "real": True})
     for key in ("before_bytes", "tokens_per_rank", "sent_bytes"):
         assert fake[key] == real[key], key
-    packed_index = 8 * fake["tokens_per_rank"] if mode == "ring" else 0
+    packed_index = 8 * fake["tokens_per_rank"] - 2 * 8 if mode == "ring" else 0
     assert real["peak_bytes"] - fake["peak_bytes"] == real["step_bytes"] - fake["step_bytes"] == packed_index
     assert fake["tokens_per_rank"] == local_tokens(spec) == (152 if mode == "ring" else 151)
     assert fake["sent_bytes"] == _sent_by_formula(mode, n, 4, config) > 0
@@ -70,6 +73,50 @@ def test_one_rank_of_two_simulated_gpus(tmp_path, shim_library):
     written = json.loads((tmp_path / "sim.json").read_text())
     assert {(r["sequence_parallel"], r["sp_mode"]) for r in written["summary"]["rows"]} == \
         {(1, None), (2, "ring"), (2, "ulysses")}
+
+
+@pytest.mark.parametrize("per_machine", [8, 1])
+def test_the_clock_prices_every_byte_sent_at_its_link(tmp_path, shim_library, per_machine):
+    """The exchange on the clock (bpt.gpusim.exchange): what a rank sends, priced at NVLink with both ranks in one
+    machine, at the network with one GPU a machine; Ulysses' all-to-alls all exposed, ring's hidden behind its
+    compute where they are shorter."""
+    from bpt.gpusim.gpus import machine
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    report = main(["--simulate", "h100-80gb", "--model", str(config), "--seq_lens", "4096", "--lora", "--lora_r", "4",
+                   "--sides", "patched", "--sequence_parallel", "2", "--sp_mode", "ring", "ulysses",
+                   "--gpus_per_machine", str(per_machine), "--output", str(tmp_path / "sim.json")])
+    box = machine("h100-80gb")
+    rate = box.nvlink_bytes_per_second if per_machine == 8 else box.network_bytes_per_second
+    runs = {r["sp_mode"]: r for r in report["runs"]}
+    for mode, run in runs.items():
+        x = run["exchange"]
+        assert x["machines"] == (1 if per_machine == 8 else 2)
+        # each exchange sends as much as it receives, so its time is its bytes over the one link they take
+        assert x["exchange_seconds"] == pytest.approx(run["sent_bytes"] / rate, rel=1e-9), mode
+        assert x["exchange_local_bytes" if per_machine == 8 else "exchange_remote_bytes"] == run["sent_bytes"]
+        assert 0 <= x["exposed_exchange_seconds"] <= x["exchange_seconds"] * (1 + 1e-9)
+    assert runs["ulysses"]["exchange"]["exposed_exchange_seconds"] == pytest.approx(
+        runs["ulysses"]["exchange"]["exchange_seconds"])
+    ring = runs["ring"]["exchange"]
+    assert ring["exposed_exchange_seconds"] < ring["exchange_seconds"]
+
+
+def test_host_memory_is_the_machines():
+    """A layout's offloaded bytes times its processes on one machine, against the machine's host memory: 8 ranks of
+    an H100 node share 2 TB (256 GiB each); one process on it has all of it; --host_memory_per_machine overrides."""
+    from bpt.bench.simulate import host_memory
+
+    gib = 1 << 30
+    spec = {"simulate": "h100-80gb", "sequence_parallel": 8}
+    assert host_memory(spec, 256 * gib)["host_fits"] and not host_memory(spec, 257 * gib)["host_fits"]
+    over = host_memory({**spec, "sequence_parallel": 16}, 257 * gib)
+    assert over["processes_per_machine"] == 8 and over["host_bytes_per_machine"] == 8 * 257 * gib
+    assert host_memory({**spec, "sequence_parallel": 1}, 2000 * gib)["host_fits"]
+    assert not host_memory({**spec, "host_bytes_per_machine": 1024 * gib}, 200 * gib)["host_fits"]
+    assert host_memory({**spec, "gpus_per_machine": 4}, 500 * gib)["host_fits"]
+    assert host_memory(spec, 0) == {} and host_memory({"simulate": "cpu"}, gib) == {}
 
 
 def test_find_max_per_layout_counts_the_whole_sequence(tmp_path):

@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --simulate: simulate L and L+1 decoder layers and extrapolate the (linear) peak to "
                           "the model's depth, reported as extrapolated (default: the full depth)")
     sim.add_argument("--top", type=int, default=10, help="with --simulate: largest live tensors listed at the peak")
+    sim.add_argument("--gpus_per_machine", type=int, default=None,
+                     help="with --simulate and --sequence_parallel: GPUs of a machine (NVLink between them, the "
+                          "network beyond; default: the card's machine in bpt/gpusim/gpus.py MACHINES, 8)")
+    sim.add_argument("--host_memory_per_machine", type=float, default=None, metavar="GIB",
+                     help="with --simulate: host memory of a machine in GiB, shared by its processes' offloaded "
+                          "tensors; a layout over it does not fit (default: the card's machine, 2048 for an H100's)")
     sim.add_argument("--calibrate", action="store_true",
                      help="with --simulate on a real GPU: also run each step for real and report "
                           "torch.cuda.max_memory_allocated beside the prediction")

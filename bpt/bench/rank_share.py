@@ -7,6 +7,8 @@
   all-to-all outputs the tracker counts, and `patches.reduce_gradients` sums the trainable gradients over the
   group after backward (its flat buffer counted too).
 - `local_tokens(spec)`: tokens per rank of the layout (ring: zigzag, padded to 2N chunks; Ulysses: N shards).
+- `rank_links(spec, world)`: rank 0's links to its peers (NVLink in its machine, the network beyond), for the clock
+  to price the exchange (bpt.gpusim.exchange).
 
 The fake backend (torch.testing._internal.distributed.fake_pg: "a process group which doesn't actually do any
 communication") completes every collective at once without touching data: one rank's memory is simulated, not the
@@ -28,6 +30,7 @@ class RankShare:
     attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # around forward + backward
     after_backward: Callable[[], None] = lambda: None
     sent_bytes: Callable[[], int] = lambda: 0  # what this rank sent through the sequence-parallel attention
+    links: object = None  # bpt.gpusim.exchange.Links of this rank (its group's machines), None: nothing to price
 
     @property
     def tokens(self) -> int:
@@ -73,7 +76,20 @@ def rank_share(spec: dict, model, inputs: dict):
         local, context = shard_batch(inputs, None, spec.get("sp_mode", "ring"))
         traffic.reset()
         yield RankShare(local, attention=lambda: sequence_parallel_attention(model, context),
-                        after_backward=lambda: reduce_gradients(model, None), sent_bytes=traffic.total)
+                        after_backward=lambda: reduce_gradients(model, None), sent_bytes=traffic.total,
+                        links=rank_links(spec, world))
+
+
+def rank_links(spec: dict, world: int):
+    """Rank 0's links in a group of `world` GPUs laid out spec["gpus_per_machine"] to a machine (default: the
+    simulated card's machine, bpt.gpusim.gpus.MACHINES), or None where the device has no machine (the CPU)."""
+    from bpt.gpusim.exchange import Links
+    from bpt.gpusim.gpus import machine
+
+    box = machine(spec["simulate"], spec.get("gpus_per_machine")) if "simulate" in spec else None
+    if box is None:
+        return None
+    return Links(0, world, box.gpus, box.nvlink_bytes_per_second, box.network_bytes_per_second)
 
 
 def model_tensors(inputs: dict) -> list[torch.Tensor]:

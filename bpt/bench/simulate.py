@@ -136,11 +136,12 @@ def build_simulated_model(spec: dict, layers: int, device: torch.device | None =
 
             lora = lora_like_bitsandbytes(lora)
         model = get_peft_model(model, lora)
-    return model, patch(model, spec, compile=False)
+    # compile as a user's run has it (auto: on CUDA): fake tensors run it eagerly, priced as compiled (bpt.compile)
+    return model, patch(model, spec, compile=None if device is None else False)
 
 
 def patch(model, spec: dict, compile: bool | None):
-    """The patch of the spec's side on `model` (None for stock and liger); compile as given (the simulation: off)."""
+    """The patch of the spec's side on `model` (None for stock and liger); compile as given."""
     if spec["side"] not in ("patched", "patched+offload"):
         return None
     from patches import apply_bpt_patch
@@ -194,18 +195,26 @@ def tracked_step(model, share, sim, real: bool, top: int = 10, clock: bool = Tru
     patch's chunks) is what the whole run's step would leave."""
     from bpt.gpusim.tracker import AllocationTracker, flash_backward_workspace
 
+    from bpt.compile import regions_told_to
     from bpt.gpusim.clock import StepClock, rates_for
 
     gpu = sim.device
     clock = StepClock(rates_for(gpu.name)) if clock else None  # a CPU's rates cost ~25 s the first time
+    exchange = _exchange_clock(clock, share)
     # On a real card the unseen layers are a ballast, so that its free memory (the chunk budget's) is the whole
     # model's; made before the tracker counts, and left out of the allocator's figures.
     ballast = _ballast(unseen_bytes, sim.torch_device) if real else None
     held = 0 if ballast is None else ballast.numel()
     with contextlib.ExitStack() as stack:
         stack.enter_context(counting_blockwise_calls(sim.attention_paths))
+        if exchange is not None:
+            from bpt.sequence_parallel import traffic
+
+            stack.enter_context(traffic.listening(exchange))
         tracker = AllocationTracker(top=top, workspace=flash_backward_workspace, host_apart=gpu.is_cuda, clock=clock)
         stack.enter_context(tracker)
+        if clock is not None:  # code a real run compiles (bpt.compile) is priced as compiled kernels
+            stack.enter_context(regions_told_to(clock))
         tracker.track(*model.parameters(), *model.buffers(), *model_tensors(share.inputs))
         before = tracker.live
         if gpu.usable_bytes is not None:
@@ -227,10 +236,21 @@ def tracked_step(model, share, sim, real: bool, top: int = 10, clock: bool = Tru
         del loss
     del ballast
     timed = clock.summary(share.tokens) if clock else {}
+    if exchange is not None:
+        timed["exchange"] = exchange.summary()
     return {**tracker.summary(), **timed, "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
             "loss": loss_value, "attention_paths": dict(sim.attention_paths),
             "oracle_answers": dict(sim.oracle.answers), "tokens_per_rank": share.inputs["input_ids"].shape[-1],
             "sent_bytes": share.sent_bytes()}
+
+
+def _exchange_clock(clock, share):
+    """The exchange stream beside the clock (bpt.gpusim.exchange) where this rank has peers to price, else None."""
+    if clock is None or share.links is None:
+        return None
+    from bpt.gpusim.exchange import ExchangeClock
+
+    return ExchangeClock(clock, share.links)
 
 
 def simulate_step(spec: dict, layers: int, real: bool = False) -> dict:
@@ -323,11 +343,33 @@ def run_simulation(spec: dict) -> dict:
     row["bytes_per_token"] = row["step_bytes"] / tokens
     usable = simulated_device(spec["simulate"]).usable_bytes
     row["fits"] = None if usable is None else row["peak_bytes"] <= usable
+    row.update(host_memory(spec, row.get("host_peak_bytes")))
+    if row.get("host_fits") is False:  # a layout is refused where the machine's host memory is over, too
+        row["device_fits"], row["fits"] = row["fits"], False
     return row
+
+
+def host_memory(spec: dict, host_peak_bytes: int | None) -> dict:
+    """The host memory a machine needs for this row's offloaded tensors: each process's host peak times the run's
+    processes on one machine (one per GPU, the machine's GPUs at most), against the machine's (bpt.gpusim.gpus
+    MACHINES, or spec["host_bytes_per_machine"]). {} for a device with no machine or nothing on the host."""
+    from bpt.gpusim.gpus import machine
+
+    box = machine(spec["simulate"], spec.get("gpus_per_machine"), spec.get("host_bytes_per_machine"))
+    if box is None or not host_peak_bytes:
+        return {}
+    processes = min(spec.get("sequence_parallel") or 1, box.gpus)
+    needed = host_peak_bytes * processes
+    return {"host_bytes_per_machine": needed, "host_memory_per_machine": box.host_bytes,
+            "processes_per_machine": processes, "host_fits": needed <= box.host_bytes}
 
 
 EXTENDED = ("peak_bytes", "before_bytes", "weight_bytes", "host_peak_bytes", "ops", "cuda_peak_bytes",
             "cuda_before_bytes", "kernel_launches", "clock_ops", "host_syncs", "clock_flops", "sent_bytes")
+
+
+EXCHANGE_EXTENDED = ("exchange_seconds", "exposed_exchange_seconds", "exchange_local_bytes", "exchange_remote_bytes",
+                     "exchanges")
 
 
 def extrapolation_steps(spec: dict, layers: int, depth: int) -> tuple[int, int]:
@@ -355,6 +397,9 @@ def extrapolated_to_depth(step: dict, more: dict, layers: int, depth: int, perio
     if "timelines" in step:  # the clock: each timeline and each kind of work is a + b L too; the step ends with
         for key in ("time_breakdown", "timelines"):  # the last timeline of the extended ones
             row[key] = {k: v + (more[key][k] - v) * grow for k, v in step[key].items()}
+        if "exchange" in step:  # the exchange's seconds and bytes too (its links as they are)
+            row["exchange"] = {k: v + (more["exchange"][k] - v) * grow if k in EXCHANGE_EXTENDED else v
+                               for k, v in step["exchange"].items()}
         row["step_seconds"] = max(row["timelines"].values())
         row.update(clock_rates(row, step["clock_tokens"], step["clock_peak_flops"]))
     row["seconds"] = step["seconds"] + more["seconds"]

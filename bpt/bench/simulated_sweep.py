@@ -53,6 +53,10 @@ def validate_simulated(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
                     "add --sides patched or patched+offload")
     if args.find_max and args.max_len is None:
         args.max_len = SIMULATED_MAX_LEN * max(args.sequence_parallel or [1])
+    if args.gpus_per_machine is not None and args.gpus_per_machine < 1:
+        p.error(f"--gpus_per_machine must be >= 1, got {args.gpus_per_machine}")
+    if args.host_memory_per_machine is not None and args.host_memory_per_machine <= 0:
+        p.error(f"--host_memory_per_machine must be positive (GiB), got {args.host_memory_per_machine}")
 
 
 def layouts(args: argparse.Namespace) -> list[tuple[int, str | None]]:
@@ -80,6 +84,9 @@ def simulation_spec(args: argparse.Namespace, model_config: dict, side: str, seq
         "lora": args.lora, "lora_r": args.lora_r, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
         "layers": args.layers, "top": args.top, "bpt": asdict(args.bpt), "malloc": args.malloc,
         "threads": args.torch_threads, "sequence_parallel": world, "sp_mode": mode,
+        "gpus_per_machine": args.gpus_per_machine,
+        "host_bytes_per_machine": None if args.host_memory_per_machine is None
+        else int(args.host_memory_per_machine * GIB),
     }
 
 
@@ -87,6 +94,8 @@ def _row_line(run: dict) -> str:
     if not run["ok"]:
         return f"FAILED: {run['error']}"
     fits = {True: "fits", False: "does not fit", None: ""}[run["fits"]]
+    if run.get("host_fits") is False:
+        fits += ": host memory over the machine's" + ("" if run.get("device_fits") else ", and the device's")
     paths = ", ".join(f"{k} x{v}" for k, v in sorted(run["attention_paths"].items()))
     if run.get("sequence_parallel", 1) > 1:
         paths = f"{run['sp_mode']}" + (f" over {paths}" if paths else "")
@@ -98,13 +107,27 @@ def _row_line(run: dict) -> str:
         line += f"  {run['tokens_per_rank']:,} tokens/rank, sent {run['sent_bytes'] / GIB:.1f} GiB/rank"
     if run.get("host_peak_bytes"):
         line += f"  host {run['host_peak_bytes'] / GIB:.2f} GiB"
+        if run.get("host_bytes_per_machine"):
+            line += (f" ({run['host_bytes_per_machine'] / GIB:.0f} GiB per machine of "
+                     f"{run['host_memory_per_machine'] / GIB:.0f}, {run['processes_per_machine']} processes)")
     if run.get("step_seconds"):
         idle = run["time_breakdown"]["launch_bound_idle"] / run["step_seconds"]
         line += (f"  predicted {run['step_seconds']:.3f} s/step ({run['tokens_per_second']:,.0f} tok/s, MFU "
                  f"{run['mfu']:.0%}, {run['kernel_launches']:,} kernels, launch-bound idle {idle:.0%})")
+    if run.get("exchange"):
+        line += "  " + exchange_line(run)
     if "cuda_peak_bytes" in run:
         line += f"  | real max_memory_allocated {run['cuda_peak_bytes'] / GIB:.2f} GiB"
     return line
+
+
+def exchange_line(run: dict) -> str:
+    """Compute, exchange and exposed exchange of a sequence-parallel row's predicted step (bpt.gpusim.exchange)."""
+    x, step = run["exchange"], run["step_seconds"]
+    where = (f"{x['machines']} machines of {x['gpus_per_machine']}" if x["machines"] > 1
+             else f"one machine of {x['gpus_per_machine']}")
+    return (f"[{where}: compute {step - x['exposed_exchange_seconds']:.1f} s, exchange {x['exchange_seconds']:.1f} s, "
+            f"exposed {x['exposed_exchange_seconds']:.2f} s ({x['exposed_exchange_seconds'] / step:.1%} of the step)]")
 
 
 def simulated_sweep(args: argparse.Namespace, model_config: dict, runner: Callable[[dict], dict]) -> tuple[list, dict]:

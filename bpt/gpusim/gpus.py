@@ -5,7 +5,8 @@ workspaces and allocator slack come off it as RESERVE_BYTES. Kernel rules are to
 card's compute capability (torch 2.x, sdp_utils): FlashAttention-2 needs sm80+, fp16/bf16, no mask, equal
 head dims <= 256 (<= 192 for backward on sm86/sm89), and a square causal mask; memory-efficient attention
 takes fp32 too and a dense mask but no grouped-query heads; cuDNN attention comes after the math kernel in
-torch's default order, so it is never the one chosen and is not modelled.
+torch's default order, so it is never the one chosen and is not modelled. `MACHINES`: the machine each card comes in
+(GPUs, host memory, NVLink and network bandwidth per GPU, with sources), for the exchange's price and host memory.
 """
 from __future__ import annotations
 
@@ -81,6 +82,53 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
     Device("rtx4090-24gb", 24564 * MIB, (8, 9)),
     Device("cpu", None),  # fake CPU tensors: held against a real CPU step of the same bench
 )}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The machine a card comes in: what its ranks exchange over and the host memory they share.
+
+    Bandwidths are bytes per second EACH WAY per GPU, nominal (datasheets): NCCL reaches less, so an exchange priced
+    at them is the least it can cost. Within a machine every GPU reaches the others through its own NVLink (NVSwitch:
+    the bandwidth is the GPU's, shared by its peers); across machines through its own network adapter."""
+    gpus: int                       # GPUs per machine
+    host_bytes: int                 # system memory of the machine, shared by its processes (the OS and the
+                                    # processes' own memory not taken off: what the offloaded tensors may at most use)
+    nvlink_bytes_per_second: float  # to the other GPUs of the machine (PCIe where there is no NVLink)
+    network_bytes_per_second: float  # to GPUs of other machines
+    sources: tuple = ()
+
+    def host_bytes_per_process(self, processes: int) -> int:
+        """What each of `processes` processes of one run on this machine may hold (its share of the machine)."""
+        return self.host_bytes // max(1, min(processes, self.gpus))
+
+
+TB = 1 << 40  # system memory is sold in binary units (DIMMs of 2^k GiB): "2 TB" is 2,048 GiB
+_DGX_H = ("datasheet: NVIDIA DGX H100 / H200, 8 GPUs, NVLink 4 (18 links, 900 GB/s bidirectional per GPU: 450 each "
+          "way), 8 x ConnectX-7 400 Gb/s InfiniBand (one per GPU: 50 GB/s each way), 2 TB system memory",)
+_DGX_A = ("datasheet: NVIDIA DGX A100, 8 GPUs, NVLink 3 (600 GB/s bidirectional per GPU: 300 each way), 8 x "
+          "ConnectX-6 200 Gb/s InfiniBand (one per GPU: 25 GB/s each way), 2 TB system memory (640 GB model; 1 TB for "
+          "the 320 GB model of 40 GB cards)",)
+_PCIE = ("assumed: an 8-GPU PCIe Gen4 server (no NVLink: peers over PCIe x16, ~32 GB/s each way), one 200 Gb/s "
+         "network adapter per two GPUs (12.5 GB/s each way per GPU), 1 TB system memory",)
+MACHINES: dict[str, Machine] = {
+    "h100-80gb": Machine(8, 2 * TB, 450e9, 50e9, _DGX_H),
+    "h200-141gb": Machine(8, 2 * TB, 450e9, 50e9, _DGX_H),
+    "a100-80gb": Machine(8, 2 * TB, 300e9, 25e9, _DGX_A),
+    "a100-40gb": Machine(8, 1 * TB, 300e9, 25e9, _DGX_A),
+    "l40s-48gb": Machine(8, 1 * TB, 32e9, 12.5e9, _PCIE),
+    "rtx4090-24gb": Machine(8, 1 * TB, 32e9, 12.5e9, _PCIE),
+}
+
+
+def machine(name: str, gpus: int | None = None, host_bytes: int | None = None) -> Machine | None:
+    """The machine of simulated device `name` (None for the CPU), with its GPUs per machine and host memory
+    overridden where given."""
+    base = MACHINES.get(name)
+    if base is None:
+        return None
+    return Machine(gpus or base.gpus, host_bytes or base.host_bytes, base.nvlink_bytes_per_second,
+                   base.network_bytes_per_second, base.sources)
 
 
 def device(name: str) -> Device:

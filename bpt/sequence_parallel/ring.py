@@ -234,7 +234,13 @@ class _Ring:
             traffic.add("ring_p2p", t.numel() * t.element_size())
             ops.append(dist.P2POp(dist.isend, t, self.next, self.group))
             ops.append(dist.P2POp(dist.irecv, buf, self.prev, self.group))
-        return received, (dist.batch_isend_irecv(ops) if ops else [])
+        if not ops:
+            return received, []
+        works = dist.batch_isend_irecv(ops)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)  # as much comes from prev as goes to next
+        token = traffic.started("ring_p2p", {(self.rank + 1) % self.world: nbytes},
+                                {(self.rank - 1) % self.world: nbytes})
+        return received, works + ([] if token is None else [traffic.Waited(token)])
 
 
 def _wait(works) -> None:

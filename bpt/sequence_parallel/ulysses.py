@@ -124,10 +124,14 @@ def kv_head_ranges(hq: int, hkv: int, world: int) -> list[tuple[int, int]]:
 
 def _all_to_all(x: Tensor, in_splits: list[int], out_splits: list[int], group) -> Tensor:
     x = x.contiguous()
+    rank, size = dist.get_rank(group), x.element_size()
     # bytes leaving this rank: every split but its own
-    traffic.add("ulysses_all_to_all", (sum(in_splits) - in_splits[dist.get_rank(group)]) * x.element_size())
+    traffic.add("ulysses_all_to_all", (sum(in_splits) - in_splits[rank]) * size)
     out = x.new_empty(sum(out_splits))
     dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    # the output is read next: the exchange is waited for at once
+    traffic.waited(traffic.started("ulysses_all_to_all", {j: n * size for j, n in enumerate(in_splits) if j != rank},
+                                   {j: n * size for j, n in enumerate(out_splits) if j != rank}))
     return out
 
 
