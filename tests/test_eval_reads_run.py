@@ -191,3 +191,29 @@ def test_bad_input_is_one_error_line_before_loading_weights(trained, tmp_path, c
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "does not fit" in errors[0] and "Traceback" not in err
+
+
+def test_a_run_that_evaluated_nothing_gets_the_defaults_help_names():
+    """--adapter on a run trained without --eval_passkey: tasks, depths, trials and seed as --help says (not the
+    training flags' unused evaluation defaults), at the length the run trained for."""
+    import re
+
+    from train.evaluation.eval import EvalArgs, fill_passkey_defaults
+    from train.recipe.args import build_parser
+    from train.recipe.args import parse_args as train_args
+
+    helps = {a.dest: a.help for a in build_parser((EvalArgs,), default_run=None, config_flag=False)._actions}
+    trained_args = train_args(["--model_name_or_path", "m", "--max_seq_len", "512"]).to_dict()
+    assert not trained_args["eval_passkey"] and trained_args["eval_depths"] == [0.1, 0.5, 0.9]
+    args = EvalArgs()
+    fill_passkey_defaults(args, {"args": trained_args})
+    said = re.search(r"else ([\d. ]+)\)", helps["depths"]).group(1).split()
+    assert args.depths == [float(d) for d in said]
+    assert args.trials == int(re.search(r"else (\d+)\)", helps["trials"]).group(1))
+    assert args.seed == int(re.search(r"else (\d+)\)", helps["seed"]).group(1))
+    assert args.lengths == [512] and "else the run's --max_seq_len" in helps["lengths"]
+
+    evaluated = {**trained_args, "eval_passkey": True}
+    args = EvalArgs()
+    fill_passkey_defaults(args, {"args": evaluated})
+    assert args.depths == [0.1, 0.5, 0.9] and args.trials == 4  # the run's own evaluation, reproduced

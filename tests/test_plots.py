@@ -71,3 +71,26 @@ def test_without_matplotlib_one_note_and_no_files(tmp_path, monkeypatch, capsys)
     assert write_run_pictures(str(run), {"after": result(1.0)}) == []
     assert not list(run.glob("*.png"))
     assert capsys.readouterr().err.strip() == MISSING
+
+
+def test_loss_ticks_are_whole_steps(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from train.evaluation.plots import plot_loss
+
+    figures = []
+
+    class Kept(Figure):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            figures.append(self)
+
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in (1, 2, 3):
+            f.write(json.dumps({"step": step, "loss": 3.0 - step / 10}) + "\n")
+    assert plot_loss(Kept, str(tmp_path / "metrics.jsonl"), str(tmp_path / "loss.png"))
+    axis = figures[0].axes[0]
+    low, high = axis.get_xlim()
+    ticks = [t for t in axis.get_xticks() if low <= t <= high]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks

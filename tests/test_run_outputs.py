@@ -52,3 +52,30 @@ def test_the_trainable_count_under_tensor_parallelism_says_it_is_a_slice():
     assert trainable_text(model, 1) == "trainable parameters: 15"
     assert trainable_text(model, 2) == ("trainable parameters per process: 15 (each holds a 1/2 slice of the split "
                                         "layers)")
+
+
+def test_every_file_a_run_and_its_evaluation_write_honours_the_umask(tiny, tmp_path):
+    """Under umask 022 the adapter, its checkpoint copy, run_info.json, eval.json, the model card, merged/ and
+    train.eval's eval_results.json are -rw-r--r-- like every other file (their atomic writes go through temporary
+    files that tempfile and safetensors create -rw-------); and the card names merged/."""
+    import os
+    import stat
+
+    from train.evaluation.eval import main as eval_main
+
+    out = tmp_path / "run"
+    before = os.umask(0o022)
+    try:
+        assert main(base_argv(tiny, out, "--max_steps", 2, "--save_steps", 1, "--merge", "--eval_passkey",
+                              "--eval_lengths", 120, "--eval_depths", 0.5, "--eval_trials", 1)) == 0
+        assert eval_main(["--adapter", str(out), "--trials", "1"]) == 0
+    finally:
+        os.umask(before)
+    modes = {str(path.relative_to(out)): stat.S_IMODE(path.stat().st_mode) for path in out.rglob("*")}
+    for name in ("adapter_model.safetensors", "checkpoint-2/adapter_model.safetensors", "run_info.json", "eval.json",
+                 "eval_results.json", "README.md", "merged/model.safetensors", "metrics.jsonl"):
+        assert name in modes, sorted(modes)
+    wrong = {name: oct(mode) for name, mode in modes.items() if mode != (0o755 if (out / name).is_dir() else 0o644)}
+    assert not wrong, wrong
+    card = (out / "README.md").read_text()
+    assert "is in `merged/` (`--merge`): it loads with transformers alone" in card

@@ -73,8 +73,8 @@ class EvalArgs:
     tasks: list[str] | None = flag(
         None, "Tasks to evaluate, each a table of accuracy by length x depth (train.evaluation.tasks): "
         f"{', '.join(TASKS)} (default: the run's --eval_tasks, else passkey).")
-    lengths: list[int] | None = flag(None, "Context lengths of every task (default: the run's evaluation, else 256 "
-                                     "1024).")
+    lengths: list[int] | None = flag(None, "Context lengths of every task (default: the run's evaluation, else the "
+                                     "run's --max_seq_len, else 256 1024).")
     depths: list[float] | None = flag(
         None, f"Depths of the needle asked about (default: the run's evaluation, else {' '.join(map(str, DEFAULT_DEPTHS))}).")
     trials: int | None = flag(None, "Trials per (length, depth) (default: the run's, else 5).")
@@ -164,11 +164,14 @@ def fill_passkey_defaults(args: EvalArgs, info: dict | None) -> None:
     """Passkey settings not given as flags: those of the run's own evaluation when `info` (run_info.json)
     has them, so `--adapter DIR` alone reproduces the run's eval.json "after"; else the defaults."""
     trained = (info or {}).get("args") or {}
-    if "max_seq_len" in trained:
+    if trained.get("eval_passkey"):  # the run evaluated: its own settings
         defaults = {"tasks": trained.get("eval_tasks") or DEFAULT_TASKS,
                     "lengths": trained.get("eval_lengths") or [trained["max_seq_len"]],
                     "depths": trained.get("eval_depths") or DEFAULT_DEPTHS,
                     "trials": trained.get("eval_trials") or 5, "seed": EVAL_SEED}
+    elif "max_seq_len" in trained:  # it evaluated nothing: the defaults, at the length it trained for
+        defaults = {"tasks": DEFAULT_TASKS, "lengths": [trained["max_seq_len"]], "depths": DEFAULT_DEPTHS,
+                    "trials": 5, "seed": 0}
     else:
         defaults = {"tasks": DEFAULT_TASKS, "lengths": [256, 1024], "depths": DEFAULT_DEPTHS, "trials": 5, "seed": 0}
     for name, value in defaults.items():

@@ -59,6 +59,9 @@ def plot_loss(Figure, metrics_path: str, png: str) -> bool:
     log = min(losses) > 0 and max(losses) / min(losses) > 20
     if log:
         ax.set_yscale("log")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at 1.25 over a 3-step run
     ax.set(xlabel="step", ylabel="training loss" + (" (log scale)" if log else ""), title="loss")
     ax.grid(alpha=0.3, which="both" if log else "major")
     fig.savefig(png, dpi=100)

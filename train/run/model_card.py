@@ -57,7 +57,9 @@ def model_card(args, *, steps: int, rope_parameters: dict | None, positions: int
         f"- base weights: {_BITS.get(args.bits, f'{args.bits}-bit')}",
         f"- LoRA: r {args.lora_r}, alpha {args.lora_alpha:g}, dropout {args.lora_dropout:g}, on {targets}{extra}",
         f"- data: {args.dataset}, {args.max_seq_len} tokens per row"
-        + (", documents packed" if args.packing and args.dataset != "passkey" else ""),
+        + (", documents packed" if args.packing and args.dataset != "passkey" else "")
+        + (f", format {args.dataset_format}" if args.dataset_format != "auto" else "")
+        + ("; every token trained (--train_on_prompt)" if args.train_on_prompt else ""),
         f"- {steps} steps of {batch} row(s) per process, learning rate {args.learning_rate:g} "
         f"({args.lr_scheduler_type}, {args.warmup_steps} warm-up steps), seed {args.seed}{loss}",
         "- every setting: `run_info.json` (\"args\"); the loss of every logged step: `metrics.jsonl`", "",
@@ -69,7 +71,15 @@ def model_card(args, *, steps: int, rope_parameters: dict | None, positions: int
         "```python", "from train.eval import load_for_eval, parse_args", "",
         f"model, tokenizer = load_for_eval(parse_args([\"--adapter\", \"{out}\"]))", "```", "",
         "Loading it with peft alone (`PeftModel.from_pretrained`) needs the base's config with the RoPE scaling above "
-        "(`rope_parameters` in `run_info.json`), else the model runs at the base's own positions.", ""]
+        "(`rope_parameters` in `run_info.json`), else the model runs at the base's own positions.", "",
+        *(["The base merged with this adapter, unquantised, its config carrying the RoPE scaling, is in `merged/` "
+           "(`--merge`): it loads with transformers alone, no peft:", "", "```python",
+           "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+           f"model = AutoModelForCausalLM.from_pretrained(\"{os.path.join(out, 'merged')}\")",
+           f"tokenizer = AutoTokenizer.from_pretrained(\"{os.path.join(out, 'merged')}\")", "```", ""]
+          if args.merge else
+          ["A run with `--merge` also writes the base merged with the adapter (unquantised, RoPE scaling in its "
+           "config) to `merged/`, which loads with transformers alone.", ""])]
     return "\n".join(lines)
 
 
