@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from bpt.compile import compiled_forward
 from bpt.config import BPTConfig
 from bpt.mlp import chunked_mlp
 from bpt.norm import norm_source
@@ -240,14 +241,18 @@ def _chunked_projection_forward(module, original, config: BPTConfig, attention_i
     attention_input: where this projection is one of the row's named readers of the attention's input
     (patches/spent_input.py)."""
 
+    body = compiled_forward(original, config.compile)
+
     def forward(x, *args, **kwargs):
-        if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 3 or not config.largest_budget(x.device):
+        if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 3:
             return original(x, *args, **kwargs)
+        if not config.largest_budget(x.device):
+            return body(x)
         chunk = _mlp_chunk(module, x, config)
         if chunk is None:
-            return original(x)
+            return body(x)
         # q, k and v share the norm before them: its backward runs once, over their summed gradient, as stock's does
-        out = chunked_mlp(original, list(module.parameters()), x, chunk=chunk, fold_norms=False)
+        out = chunked_mlp(body, list(module.parameters()), x, chunk=chunk, fold_norms=False)
         if attention_input is not None:
             attention_input.read(module, x)
         return out
@@ -270,6 +275,8 @@ def _mlp_chunk(module, hidden: torch.Tensor, config: BPTConfig, folds_norm: bool
 
 
 def _chunked_mlp_forward(module, original, config: BPTConfig):
+    body = compiled_forward(original, config.compile)
+
     def forward(*inputs):
         hidden = inputs[0]  # [B, N, H]
         if hidden.dim() < 3:
@@ -277,14 +284,14 @@ def _chunked_mlp_forward(module, original, config: BPTConfig):
         fold = config.folds_norms(hidden.numel() * hidden.element_size(), hidden.device)
         chunk = _mlp_chunk(module, hidden, config, folds_norm=fold and any(norm_source(x) is not None for x in inputs))
         if chunk is None:
-            return original(*inputs)
+            return body(*inputs)
         # An MLP that returns a tuple (gpt-oss: (hidden, router_scores)) is chunked on its first output. The
         # rest are per-chunk routing details the decoder layer discards; they come back as None, so a caller
         # that did read them fails loudly instead of getting one chunk's values.
         extra = []
 
         def first_output(*pieces):
-            y = original(*pieces)
+            y = body(*pieces)
             if isinstance(y, tuple):
                 extra[:] = [None] * (len(y) - 1)
                 y = y[0]

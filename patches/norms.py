@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from bpt.compile import compiled_forward
 from bpt.config import BPTConfig
 from bpt.norm import lean_norm
 from patches.chunk_bytes import norm_bytes_per_token
@@ -45,6 +46,7 @@ def lean_norm_forward(module: torch.nn.Module, original, norm_dims: int, config:
     the config gives (a norm over smaller rows, e.g. a per-head q-k norm, takes proportionally more rows per step)."""
     weight = getattr(module, "weight", None)
     weight_shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+    body = compiled_forward(original, config.compile)
 
     def forward(*args, **kwargs):
         x = args[0] if len(args) == 1 and not kwargs else None
@@ -58,7 +60,7 @@ def lean_norm_forward(module: torch.nn.Module, original, norm_dims: int, config:
         def rows() -> int:  # asked in forward and again in backward, from what the budget holds then
             chunk = config.chunk_tokens("norm_chunk", tokens, lambda: norm_bytes_per_token(token), device)
             return max(1, chunk * token // max(row, 1))
-        return lean_norm(original, list(module.parameters()), x, rows=rows, norm_dims=norm_dims)
+        return lean_norm(body, list(module.parameters()), x, rows=rows, norm_dims=norm_dims)
 
     setattr(forward, LEAN_NORM_ATTR, True)
     return forward

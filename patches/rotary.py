@@ -26,6 +26,7 @@ import sys
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from bpt.compile import compiled_forward
 from bpt.config import BPTConfig
 from patches.chunk_bytes import rotary_bytes_per_token
 
@@ -65,10 +66,11 @@ def lean_rotary(original):
         q, k, cos, sin = args
         tokens = q.shape[2]
         per_token = functools.partial(rotary_bytes_per_token, q, k, cos)
+        body = compiled_forward(original, config.compile)
         if not config.largest_budget(q.device) or config.whole_fits("norm_chunk", tokens, per_token, q.device):
-            return original(q, k, cos, sin)  # no chunk budget (a CPU unless set): memory is not what limits
+            return body(q, k, cos, sin)  # no chunk budget (a CPU unless set): memory is not what limits
         rows = config.chunk_tokens("norm_chunk", tokens, per_token, q.device)
-        return _ChunkedRotary.apply(q, k, cos, sin, original, rows)
+        return _ChunkedRotary.apply(q, k, cos, sin, body, rows)
 
     setattr(apply_rotary_pos_emb, _WRAPPED, True)
     return apply_rotary_pos_emb

@@ -2,6 +2,7 @@
 the extension to the model's depth, and the CPU's measured rates cached."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -150,3 +151,34 @@ def test_the_measured_size_is_the_largest_whose_call_fits():
     assert affordable((8, 16), one_call, 3, limit=0.1) == 8  # the smallest whatever it costs
     timed.clear()
     assert affordable((4096,), one_call, 3, limit=0.1) == 4096 and not timed  # one size: nothing to time
+
+
+def test_compiled_code_is_one_kernel_per_group_reading_inputs_once_writing_what_lives():
+    """Inside a fused region (code a real run compiles) the memory-bound ops between two matmuls are one kernel: it
+    reads each outside tensor once and writes only what is alive when the next matmul comes (x * y is a temporary
+    of the expression); the host pays one launch, not one dispatch per op. Its autograd nodes' backward fuses too."""
+    from bpt.compile import fused_region, regions_told_to
+    from bpt.gpusim.tracker import AllocationTracker
+
+    def run(fused: bool):
+        clock = StepClock(GPU)
+        x, y, z = (torch.ones(256, 256, requires_grad=True) for _ in range(3))
+        w = torch.ones(256, 256)
+        with AllocationTracker(clock=clock), regions_told_to(clock):
+            with fused_region("x * y + z") if fused else contextlib.nullcontext():
+                h = torch.relu(x * y + z)  # [256, 256] fp32: 256 KiB each
+            if fused:
+                clock.region_backward([h], [x, y, z])
+            out = h @ w
+            out.sum().backward()
+        clock.summary(tokens=1)  # launches the group still open
+        return clock
+
+    eager, fused = run(False), run(True)
+    tensor = 256 * 256 * 4
+    launches, seconds = fused.by_op["fused (compiled)"]
+    assert launches == 2  # the forward's group, and the backward of its nodes
+    forward = max(1e-6, (3 + 1) * tensor / GPU.memory_bytes_per_second)  # reads x, y, z; writes h
+    assert seconds >= forward and fused.kernels < eager.kernels and fused.host < eager.host
+    assert fused.by_kind["memory_bound"] < eager.by_kind["memory_bound"]
+    assert fused.by_kind["matmul"] == eager.by_kind["matmul"]

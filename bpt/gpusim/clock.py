@@ -22,11 +22,13 @@ import json
 import os
 import platform
 import sys
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
 
@@ -220,6 +222,40 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class FusedGroup:
+    """The memory-bound ops of compiled code between two extern kernels: what one fused kernel reads and writes."""
+
+    def __init__(self, region):
+        self.region = region  # the compiled graph it belongs to
+        self.made = WeakIdKeyDictionary()  # storage written in the group -> True
+        self.reads: dict[int, int] = {}  # id(storage) from outside the group -> bytes read
+        self.writes: dict[int, tuple] = {}  # id(storage) -> (weak reference, bytes written)
+        self.escaped: set[int] = set()  # id(storage) written in the group and read by eager code before its launch
+        self.compute = 0.0
+
+    def read_outside(self, inputs: list) -> None:
+        self.escaped.update(id(s) for s in (t.untyped_storage() for t in inputs) if s in self.made)
+
+    def add(self, inputs: list, outputs: list, compute: float) -> None:
+        for t in inputs:
+            storage = t.untyped_storage()
+            if t.dim() and storage not in self.made:
+                self.reads[id(storage)] = max(self.reads.get(id(storage), 0), _nbytes([t]))
+        for t in outputs:
+            storage = t.untyped_storage()
+            self.made[storage] = True
+            self.writes[id(storage)] = (weakref.ref(storage), max(self.writes.get(id(storage), (None, 0))[1],
+                                                                   _nbytes([t])))
+        self.compute += compute
+
+    def live_writes(self) -> list[int]:
+        return [nbytes for key, (ref, nbytes) in self.writes.items() if ref() is not None or key in self.escaped]
+
+    def bytes_moved(self) -> tuple[int, int]:
+        """(bytes read from outside, bytes written that outlive the group)."""
+        return sum(self.reads.values()), sum(self.live_writes())
+
+
 class StepClock:
     """Predicted time of the ops it is shown (`op`), on the host, device and copy timelines of `rates`."""
 
@@ -231,47 +267,71 @@ class StepClock:
         self.by_kind = {"matmul": 0.0, "attention": 0.0, "memory_bound": 0.0, "copies": 0.0}
         self.flops = 0.0
         self.by_op: dict = {}  # kernel op name -> [launches, predicted seconds]
+        self.regions: list = []  # the compiled regions being run, innermost last (bpt.compile.fused_region)
+        self.group: FusedGroup | None = None  # the memory-bound ops of compiled code not yet launched
 
     def op(self, func, args: tuple, inputs: list, outputs: list, flops: float) -> None:
         r, packet = self.rates, func.overloadpacket
         if func.namespace == "prim":  # metadata queries (prim::device ...) a fake tensor dispatches, a real one not
             return
         self.ops += 1
+        kernel = not (packet in NO_KERNEL or func.is_view or not outputs)
+        devices = {t.device.type for t in (*inputs, *outputs) if t.dim()}  # a 0-dim CPU operand is a scalar
+        transfer = packet in COPIES and len(devices) > 1 and r.link_bytes_per_second
+        attention = any(a in packet.__name__ for a in ATTENTION)
+        extern = kernel and bool(flops or attention or transfer or packet in SYNCS)
+        if self.regions and not extern:
+            if kernel:  # compiled code: no dispatch per op, its memory-bound ops fuse into one kernel
+                self._group_of(self.regions[-1]).add(inputs, outputs, self._compute(packet, outputs))
+            return
+        if extern:
+            self._launch_group()
+        elif self.group is not None:  # eager work between a compiled graph's kernels (autograd's accumulation)
+            self.group.read_outside(inputs)
         self.host += r.host_seconds_per_op
         if packet in SYNCS:
             self.syncs += 1
             self.host = max(self.host, self.device, self.copies)
-        if packet in NO_KERNEL or func.is_view or not outputs:
+        if not kernel:
             return
-        devices = {t.device.type for t in (*inputs, *outputs) if t.dim()}  # a 0-dim CPU operand is a scalar
-        if packet in COPIES and len(devices) > 1 and r.link_bytes_per_second:  # host <-> device: the copy stream
+        if transfer:  # host <-> device: the copy stream
             seconds = _nbytes(outputs) / r.link_bytes_per_second
             self.copies = max(self.copies, self.host) + seconds
             self.by_kind["copies"] += seconds
             return
-        self.kernels += 1
         dtype = str(inputs[0].dtype).removeprefix("torch.") if inputs else "float32"
         moved = _nbytes(inputs) + _nbytes(outputs)
-        if any(a in packet.__name__ for a in ATTENTION):
+        if attention:
             backward = "backward" in packet.__name__
             flops = attention_flops(func, args, backward)  # torch's formula ignores the causal mask
             kind, compute = "attention", flops / r.attention_rate(dtype, backward)
         elif flops:
             kind, compute = "matmul", flops / r.matmul_rate(dtype)
         else:
-            kind, compute = "memory_bound", 0.0
-            rate = (r.transcendental_per_second if packet in TRANSCENDENTAL else
-                    r.softmax_per_second if packet in SOFTMAX else None)
-            if rate:
-                compute = max(t.numel() for t in outputs) / rate
+            kind, compute = "memory_bound", self._compute(packet, outputs)
         self.flops += flops
         seconds = max(compute, moved / r.memory_bytes_per_second, r.kernel_floor_seconds)
         if r.fresh_bytes_per_second and packet not in SOFTMAX and not func._schema.is_mutable:
             # a new large output faults its pages in on first touch (the softmax rate was measured with it)
-            seconds += sum(n for n in map(_nbytes, ([t] for t in outputs)) if n >= FRESH_BLOCK) \
-                / r.fresh_bytes_per_second
+            seconds += self._fresh_seconds(map(_nbytes, ([t] for t in outputs)))
+        self._run_kernel(kind, packet.__name__, seconds)
+
+    def _compute(self, packet, outputs: list) -> float:
+        """Seconds of a memory-bound op's arithmetic: exp-like functions and softmax rows at their own rates (a CPU
+        computes them slower than it moves their bytes), nothing for the rest."""
+        r = self.rates
+        rate = (r.transcendental_per_second if packet in TRANSCENDENTAL else
+                r.softmax_per_second if packet in SOFTMAX else None)
+        return max(t.numel() for t in outputs) / rate if rate else 0.0
+
+    def _fresh_seconds(self, sizes) -> float:
+        return sum(n for n in sizes if n >= FRESH_BLOCK) / self.rates.fresh_bytes_per_second
+
+    def _run_kernel(self, kind: str, name: str, seconds: float) -> None:
+        r = self.rates
+        self.kernels += 1
         self.by_kind[kind] += seconds
-        entry = self.by_op.setdefault(packet.__name__, [0, 0.0])
+        entry = self.by_op.setdefault(name, [0, 0.0])
         entry[0] += 1
         entry[1] += seconds
         if r.overlap:
@@ -282,7 +342,55 @@ class StepClock:
             self.host += seconds
             self.device = self.host
 
+    # Compiled code (bpt.compile.fused_region): inductor fuses the elementwise ops and reductions of one graph between
+    # two extern kernels (matmuls, attention, transfers) into one kernel that reads each tensor from outside once and
+    # writes what is still alive when the next extern kernel comes, or what eager code read meanwhile (a temporary of
+    # an expression is never written). A region's autograd nodes are one compiled backward graph (`region_backward`).
+
+    def enter_region(self, region) -> None:
+        self.regions.append(region)
+
+    def exit_region(self, region) -> None:
+        self.regions.remove(region)  # the group stays open: the next extern kernel launches it
+
+    def region_backward(self, outputs, inputs) -> None:
+        """Price the backward of the autograd nodes made between `inputs` and `outputs` (a compiled region's graph)
+        as one compiled graph too."""
+        region = object()
+        stop = {t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        nodes = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen = set()
+        while nodes:
+            node = nodes.pop()
+            if node is None or node in seen or node in stop or hasattr(node, "variable"):  # variable: a leaf's
+                continue
+            seen.add(node)
+            node.register_prehook(lambda grads: self.enter_region(region))
+            node.register_hook(lambda grads_in, grads_out: self.exit_region(region))
+            nodes.extend(next_node for next_node, _ in node.next_functions)
+
+    def _group_of(self, region) -> "FusedGroup":
+        """The open group of `region`'s graph (another graph's is launched first: graphs do not fuse)."""
+        if self.group is not None and self.group.region is not region:
+            self._launch_group()
+        if self.group is None:
+            self.group = FusedGroup(region)
+        return self.group
+
+    def _launch_group(self) -> None:
+        group, self.group = self.group, None
+        if group is None:
+            return
+        r = self.rates
+        reads, writes = group.bytes_moved()
+        seconds = max(group.compute, (reads + writes) / r.memory_bytes_per_second, r.kernel_floor_seconds)
+        if r.fresh_bytes_per_second:
+            seconds += self._fresh_seconds(group.live_writes())
+        self.host += r.host_seconds_per_op  # the compiled code's launch of the kernel
+        self._run_kernel("memory_bound", "fused (compiled)", seconds)
+
     def summary(self, tokens: int) -> dict:
+        self._launch_group()
         step = max(self.host, self.device, self.copies)
         return {"step_seconds": step, "tokens_per_second": tokens / step if step else None, "clock_tokens": tokens,
                 "clock_flops": self.flops,
