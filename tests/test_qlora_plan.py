@@ -73,6 +73,8 @@ def test_the_plan_simulates_this_very_run(tiny, tmp_path):
     assert any("2 x 32 tokens per device (--max_seq_len 64 split 2 ways, ring: one rank's step" in line
                for line in verdict)
     assert direct["tokens_per_rank"] == 32 and direct["sent_bytes"] > 0  # the ring's exchanges ran
+    assert any(line.startswith("           of it exchanging shards: ") for line in verdict)  # and were timed
+    assert any("per machine (2 processes of this run on one) of the machine's 1024.00 GiB" in line for line in verdict)
     assert planned.row["trainable_params"] == direct["trainable_params"]
     # Added analytically: AdamW's two fp32 moments and the gradients kept between the two micro-batches.
     trainable = direct["trainable_params"]
@@ -236,21 +238,21 @@ def test_the_longest_length_search_is_exact_to_its_resolution(shape, limit, cap)
 
 
 def test_a_long_ring_plan_says_it_will_take_long(tiny, tmp_path, capsys, monkeypatch):
-    """Ring attention is simulated block by block: past RING_QUICK tokens a rank the plan says so before it starts
-    (Ulysses does not need to)."""
+    """Ring attention over packed documents is simulated block by block: past RING_QUICK tokens a rank the plan says
+    so before it starts (unpacked rows take the fused kernel, and Ulysses does not need to)."""
     import train.run.plan as plan
 
     def stop(spec):
         raise plan.PlanFailed("stopped by the test")
 
     monkeypatch.setattr(plan, "simulate", stop)
-    for mode, said in (("ring", True), ("ulysses", False)):
-        args = parse_args(base_argv(tiny, tmp_path / mode, "--plan", "h100-80gb", "--sequence_parallel", 2,
-                                    "--sp_mode", mode, "--max_seq_len", 2 * plan.RING_QUICK + 2,
-                                    "--rope_scaling", "linear"))
+    for mode, packing, said in (("ring", [], True), ("ring", ["--no_packing"], False), ("ulysses", [], False)):
+        args = parse_args(base_argv(tiny, tmp_path / f"{mode}{len(packing)}", "--plan", "h100-80gb",
+                                    "--sequence_parallel", 2, "--sp_mode", mode, "--max_seq_len",
+                                    2 * plan.RING_QUICK + 2, "--rope_scaling", "linear", *packing))
         with pytest.raises(plan.PlanFailed):
             plan.print_plan(args, echo=lambda line: None)
-        assert ("ring attention is simulated block by block" in capsys.readouterr().err) == said
+        assert ("is simulated block by block" in capsys.readouterr().err) == said, (mode, packing)
 
 
 def _linear_step(calls: list):
@@ -303,3 +305,29 @@ def test_a_stopped_plan_does_not_talk_of_checkpoints(monkeypatch, capsys):
     assert main(["--config", str(LLAMA_8B_64K), "--plan", "h100-80gb"]) == 143
     line = error_line(capsys)
     assert line == "error: the plan was stopped by SIGTERM; nothing was trained or written"
+
+
+def test_a_plan_over_the_machines_host_memory_does_not_fit(monkeypatch, capsys):
+    """Offloaded checkpoints live in host memory, which a machine's processes share (bpt/gpusim/gpus.py MACHINES: an
+    H100 node of eight has 2 TB, 256 GiB a GPU): a layout over it is refused, and the longest length is the one the
+    host holds where the device would hold more. A stand-in step: 40 MiB of host memory a token of the rank's shard
+    (8 ranks on one machine: 52,428 whole tokens fit 2,048 GiB), a device peak far under the card."""
+    import train.run.plan as plan
+    from bpt.bench.simulate import host_memory
+
+    def simulate(spec):
+        share = spec["seq_len"] // spec["sequence_parallel"]
+        row = {"ok": True, "peak_bytes": (12 << 30) + share * 300 * 1024, "trainable_params": 526_667_776,
+               "tokens_per_rank": share, "layers": 2, "depth": 32, "extrapolated": True, "peak_holders": [],
+               "host_peak_bytes": share * (40 << 20)}
+        return {**row, **host_memory(spec, row["host_peak_bytes"])}
+
+    monkeypatch.setattr(plan, "simulate", simulate)
+    assert main(["--config", str(LLAMA_8B_64K), "--plan", "h100-80gb", "--offload_checkpoints",
+                 "--sequence_parallel", "8", "--max_seq_len", "65536"]) == 0
+    out = capsys.readouterr().out
+    assert _verdict(out) == "DOES NOT FIT: host memory, 512.00 GiB over the machine's (simulated)"
+    assert re.search(r"2560\.00 GiB per machine \(8 processes of this run on one\) of the machine's 2048\.00 GiB "
+                     r"\(bpt/gpusim/gpus.py MACHINES\): DOES NOT FIT", out)
+    longest = int(re.search(r"^  longest  --max_seq_len (\d+) fits", out, re.M).group(1))
+    assert longest <= (2048 << 30) // 8 // (40 << 20) * 8 < longest + RESOLUTION  # 52,428: 52,224 to 1K tokens

@@ -59,6 +59,7 @@ class Planned:
     first_over: int | None = None
     cap: int = 0
     notes: list = dataclasses.field(default_factory=list)
+    host_over: bool = False  # the offloaded bytes of the run's processes on one machine are over its host memory
 
 
 # ---------------------------------------------------------------- the model's config, offline
@@ -299,13 +300,16 @@ def print_plan(args, echo: Callable[[str], None] = print) -> Planned:
     print(f"plan: simulating this run's training step on a simulated {gpu.name} (nothing is downloaded or "
           "loaded) ...", file=sys.stderr, flush=True)
     spec = step_spec(args, config, args.max_seq_len, adapters)
-    if args.sp_mode == "ring" and args.max_seq_len > RING_QUICK * args.sequence_parallel > RING_QUICK:
-        print(f"plan: ring attention is simulated block by block, as it runs: past {RING_QUICK} tokens a rank this "
-              "takes minutes to hours (--sp_mode ulysses simulates in seconds)", file=sys.stderr, flush=True)
+    blockwise_ring = args.packing or getattr(config, "sliding_window", None)  # else ring takes the fused kernel
+    if args.sp_mode == "ring" and blockwise_ring and args.max_seq_len > RING_QUICK * args.sequence_parallel > RING_QUICK:
+        print(f"plan: ring attention over packed documents or a sliding window is simulated block by block, as it "
+              f"runs: past {RING_QUICK} tokens a rank this takes minutes to hours (unpacked rows take the fused "
+              "kernel; --sp_mode ulysses simulates in seconds)", file=sys.stderr, flush=True)
     row = simulate(spec)
     extras = analytic_extras(args, config, row["trainable_params"])
     added = sum(b for _, b in extras)
     result = Planned(gpu.name, source, spec, row, extras, row["peak_bytes"] + added, gpu.usable_bytes, notes=notes)
+    result.host_over = row.get("host_fits") is False
     result.notes += offload_notes(args, result) + stride_notes(args, result)
     for line in format_verdict(args, result):
         echo(line)
@@ -318,12 +322,12 @@ def print_plan(args, echo: Callable[[str], None] = print) -> Planned:
           f"{duration(first)}, ~{duration(first * SEARCH_STEPS)} (--no_plan_longest: stop after the verdict)",
           file=sys.stderr, flush=True)
     result.cap, why = length_cap(config, args)
-    peaks = {args.max_seq_len: row["peak_bytes"]}
     limit = gpu.usable_bytes - added  # the optimizer state and kept gradients are on the device beside each step
+    peaks = {args.max_seq_len: held(row, limit)}
 
     def probe(n: int) -> int:
         began = time.perf_counter()
-        peak = simulate({**step_spec(args, config, n, adapters), "resident_bytes": added})["peak_bytes"]
+        peak = held(simulate({**step_spec(args, config, n, adapters), "resident_bytes": added}), limit)
         print(f"plan:   --max_seq_len {n:,}: {size(peak + added)}, {'fits' if peak <= limit else 'does not fit'} "
               f"({duration(time.perf_counter() - began)})", file=sys.stderr, flush=True)
         return peak
@@ -332,6 +336,16 @@ def print_plan(args, echo: Callable[[str], None] = print) -> Planned:
     for line in format_longest(args, result, why, len(peaks), time.perf_counter() - started):
         echo(line)
     return result
+
+
+def held(row: dict, limit: int) -> int:
+    """A step's device peak, or where the machine's host memory is the tighter of the two (offloaded checkpoints: the
+    run's processes on one machine against its host memory), that on the device's scale (host needed x limit / host
+    memory): over `limit` exactly where either is over, and linear in the length as both are."""
+    host = row.get("host_bytes_per_machine")
+    if not host:
+        return row["peak_bytes"]
+    return max(row["peak_bytes"], -(-host * limit // row["host_memory_per_machine"]))
 
 
 def offload_notes(args, p: Planned) -> list[str]:
@@ -393,6 +407,9 @@ def format_verdict(args, p: Planned) -> list[str]:
              if row["extrapolated"] else f"all {row['depth']} layers run")
     spare = p.usable_bytes - p.peak_bytes
     verdict = (f"FITS, {size(spare)} to spare" if spare >= 0 else f"DOES NOT FIT, {size(-spare)} over")
+    if p.host_over:
+        verdict = (f"DOES NOT FIT: host memory, {size(row['host_bytes_per_machine'] - row['host_memory_per_machine'])} "
+                   "over the machine's" + ("" if spare >= 0 else f"; and the device, {size(-spare)} over"))
     lines = [
         f"--plan {p.device}: simulated, not measured; no weights loaded, no training",
         f"  model    {args.model_name_or_path}: {p.source}",
@@ -405,8 +422,10 @@ def format_verdict(args, p: Planned) -> list[str]:
         "CUDA context, workspaces and fragmentation (about half of it measured on one H100)",
         f"  verdict  {verdict} (simulated)",
         *time_lines(args, row),
+        *exchange_lines(row),
         *([f"  host     {size(row['host_peak_bytes'])} per process of host memory for the offloaded checkpoints "
            "(pinned), simulated"] if args.offload_checkpoints else []),
+        *host_machine_lines(row),
         "  largest tensors live at the peak (simulated" + (f", {row['layers']}-layer step):" if row["extrapolated"]
                                                          else "):"),
     ]
@@ -417,6 +436,28 @@ def format_verdict(args, p: Planned) -> list[str]:
         lines.append("  note     simulated with bf16 autocast (the GPU default), not --mixed_precision no")
     lines += [f"  note     {note}" for note in p.notes]
     return lines
+
+
+def exchange_lines(row: dict) -> list[str]:
+    """The sequence-parallel exchange on the clock (bpt/gpusim/exchange.py), when the row has it."""
+    x = row.get("exchange")
+    if not x or not row.get("step_seconds"):
+        return []
+    where = "one machine" if x["machines"] == 1 else f"{x['machines']} machines"
+    return [f"           of it exchanging shards: {x['exchange_seconds']:.2f} s on the links ({where} of "
+            f"{x['gpus_per_machine']} GPUs: NVLink within, the network across), {x['exposed_exchange_seconds']:.2f} s "
+            f"of it not hidden behind compute ({x['exposed_exchange_seconds'] / row['step_seconds']:.1%}), predicted"]
+
+
+def host_machine_lines(row: dict) -> list[str]:
+    """The host memory a machine needs for the run's processes on it, against the machine's (bpt.gpusim.gpus
+    MACHINES: the card's usual machine)."""
+    if not row.get("host_bytes_per_machine"):
+        return []
+    n = row["processes_per_machine"]
+    return [f"           {size(row['host_bytes_per_machine'])} per machine ({n} process{'es' if n > 1 else ''} of this "
+            f"run on one) of the machine's {size(row['host_memory_per_machine'])} (bpt/gpusim/gpus.py MACHINES): "
+            + ("fits" if row["host_fits"] else "DOES NOT FIT")]
 
 
 def time_lines(args, row: dict) -> list[str]:
