@@ -126,18 +126,19 @@ def _kernel_forward(q, k, v, scale: float, is_causal: bool):
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
         return out, lse, None
-    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False,
-                                                                                      scale=scale)
-    return out, lse[..., :q.shape[2]], (seed, offset)
+    out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal,
+                                                                                              False, scale=scale)
+    return out, lse[..., :q.shape[2]], (cum_q, cum_k, seed, offset)  # what a dense call returns, as head_groups keeps
 
 
-def _kernel_backward(dout, q, k, v, out, lse, scale: float, is_causal: bool, philox):
-    """-> (dq, dk, dv) of one call, from the rows' global output and logsumexp (no dropout)."""
+def _kernel_backward(dout, q, k, v, out, lse, scale: float, is_causal: bool, extras):
+    """-> (dq, dk, dv) of one call, from the rows' global output and logsumexp (no dropout). extras: the CUDA
+    forward's (cum_seq_q, cum_seq_k, seed, offset) of the first call (a dense call's, the same for every call)."""
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, is_causal,
                                                                          scale=scale)
-    seed, offset = philox
-    return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, None, None, q.shape[2],
+    cum_q, cum_k, seed, offset = extras
+    return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2],
                                                              k.shape[2], 0.0, is_causal, seed, offset,
                                                              scale=scale)[:3]
 
@@ -180,13 +181,13 @@ class _FusedRing(torch.autograd.Function):
         acc = q.new_zeros(b, hq, n, v.shape[-1], dtype=acc_dtype)  # running output of every row
         acc_lse = q.new_full((b, hq, n), float("-inf"), dtype=acc_dtype)
         started = [False, False]  # chunk's rows hold a call's result already
-        shard, philox = [k.contiguous(), v.contiguous()], None
+        shard, extras = [k.contiguous(), v.contiguous()], None
         for step in range(ring.world):
             incoming, works = ring.exchange(shard) if step + 1 < ring.world else (None, [])  # overlaps compute
             ks, vs = shard
             for r0, r1, j0, j1, is_causal in _calls(ring, (ring.rank - step) % ring.world, causal):
-                out, lse, extras = _kernel_forward(q[:, :, r0:r1], ks[:, :, j0:j1], vs[:, :, j0:j1], scale, is_causal)
-                philox = philox or extras
+                out, lse, made = _kernel_forward(q[:, :, r0:r1], ks[:, :, j0:j1], vs[:, :, j0:j1], scale, is_causal)
+                extras = extras or made
                 chunks = range(r0 // ring.c, (r1 - 1) // ring.c + 1)
                 if not any(started[i] for i in chunks):  # the rows' first result: taken as it is
                     acc[:, :, r0:r1].copy_(out)
@@ -203,7 +204,7 @@ class _FusedRing(torch.autograd.Function):
         out.copy_(acc)  # rows past the true length stayed 0 (their logsumexp -inf: no call reads it)
         del acc
         ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.scale, ctx.causal, ctx.ring, ctx.head_groups, ctx.philox = scale, causal, ring, head_groups, philox
+        ctx.scale, ctx.causal, ctx.ring, ctx.head_groups, ctx.extras = scale, causal, ring, head_groups, extras
         return out
 
     @staticmethod
@@ -228,7 +229,7 @@ class _FusedRing(torch.autograd.Function):
                 for qh, kh in heads:
                     parts = _kernel_backward(dout[:, qh, rows], q[:, qh, rows], ks[:, kh, cols], vs[:, kh, cols],
                                              out[:, qh, rows], lse[:, qh, rows].contiguous(), scale, is_causal,
-                                             ctx.philox)
+                                             ctx.extras)
                     dq[:, qh, rows].add_(parts[0])
                     dk[:, kh, cols].add_(parts[1])
                     dv[:, kh, cols].add_(parts[2])
