@@ -173,8 +173,9 @@ class TrainArguments:
                                   "come to the device for its compute, and the optimizer steps on the CPU.")
     seed: int = flag(42, "Seed for LoRA init, data order and dropout.")
     torch_threads: int | None = flag(
-        None, "CPU threads per process for torch ops (torch.set_num_threads); default: torch's own. 1 is fastest "
-        "for tiny models on a shared CPU, where threads spin-wait on each other.")
+        None, "CPU threads per process for torch ops (torch.set_num_threads); default: all but one of the cores this "
+        "process may run on, shared by the processes a launch started on this machine, at least 1 (torch's own, every "
+        "core, spins its threads against whatever else runs: docs/training.md).")
     save_steps: int = flag(200, "Write checkpoint-N every N optimizer steps; 0 = no intermediate checkpoints.")
     save_minutes: float = flag(30.0, "Also write checkpoint-N when this many minutes have passed since the last one "
                                "(or the start), so a crash loses at most that much work; 0 = by --save_steps only.")

@@ -38,8 +38,8 @@ STATE_FILE = "trainer_state.json"
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt",
                   "rng_state.pt", STATE_FILE)
 # Args that decide which rows each step sees: resuming with different values would not continue the run.
-DATA_ORDER_ARGS = ("seed", "per_device_train_batch_size", "dataset", "max_seq_len", "packing", "sequence_parallel",
-                   "tensor_parallel")
+DATA_ORDER_ARGS = ("seed", "per_device_train_batch_size", "dataset", "dataset_format", "max_seq_len", "packing",
+                   "sequence_parallel", "tensor_parallel")
 # Args that shape the learning-rate schedule besides its length.
 SCHEDULE_ARGS = ("lr_scheduler_type", "warmup_steps", "learning_rate")
 

@@ -115,6 +115,16 @@ def preflight(args: Args) -> Preflight:
     return Preflight(config, tokenizer, rope_factor, resume_path, evals, zero3)
 
 
+def cpu_threads(args: Args) -> int:
+    """--torch_threads, else all but one of this process's cores shared by the launch's processes on this machine (at
+    least 1): torch's default, every core, lost 2.5x (tokens/s) to one thread on a busy 2-core machine, its threads
+    spinning against other work for the cores (docs/training.md)."""
+    if args.torch_threads:
+        return args.torch_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, (cores - 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def make_accelerator(args: Args):
     from accelerate import Accelerator
 
@@ -273,8 +283,7 @@ def run(args: Args) -> RunResult:
 
     started = time.time()
     silence_library_noise()
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    torch.set_num_threads(cpu_threads(args))
     plan = preflight(args)
     tokenizer = plan.tokenizer
     accelerator = make_accelerator(args)
@@ -308,7 +317,9 @@ def run(args: Args) -> RunResult:
               + ("; layer checkpoints offloaded to host memory" if args.offload_checkpoints else "")
               + (f"; one layer checkpoint in {args.checkpoint_stride} kept, the others remade in backward"
                  if args.checkpoint_stride > 1 else "")
-              + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else ""), file=sys.stderr)
+              + (f"; RoPE {args.rope_scaling} x{plan.rope_factor:g}" if plan.rope_factor else "")
+              + (f"; {torch.get_num_threads()} CPU thread(s) (--torch_threads)" if accelerator.device.type == "cpu"
+                 else ""), file=sys.stderr)
         if warmup_note(args, steps):
             print(warmup_note(args, steps), file=sys.stderr)
     start_step, position = start_position(accelerator, args, plan.resume_path, model, optimizer, scheduler, steps)
