@@ -57,6 +57,7 @@ from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backwa
                         block_mask_args, check_empty_rows, dropout_keep_mask, empty_rows_backward_step,
                         empty_rows_of, fill_empty_rows, finish_rows, forward_step, host_reads_allowed, make_plan,
                         scaled_query_rows, sink_rows, start_rows)
+from bpt import attention_once
 from bpt.head_groups import head_grouped_attention
 from bpt.varlen import documents, varlen_available, varlen_causal
 
@@ -306,10 +307,16 @@ def _cuda_fused_kernel_applies(q, k, v, is_causal: bool, gqa: bool) -> bool:
     return any(enabled() and can_use(params, False) for enabled, can_use in checks)
 
 
+def _ONE_GROUP() -> int:
+    return 1
+
+
 def _sdpa(q, k, v, scale, causal, dropout, head_groups=None):
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     is_causal = causal and q.shape[2] > 1
     training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if head_groups is None and attention_once.current() is not None:  # a checkpointed layer: the kernel whose
+        head_groups = _ONE_GROUP                                        # results its forward can keep
     if head_groups is not None and training and not dropout:
         out = head_grouped_attention(q, k, v, scale=scale, is_causal=is_causal, groups=head_groups)
         if out is not None:

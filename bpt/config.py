@@ -43,6 +43,11 @@ class BPTConfig:
         remake the others from the one kept before them when the backward needs them (patches/checkpoint_stride.py):
         the checkpoints' device memory divided by the stride, for (stride - 1) / 2 more layer forwards per layer.
         1 keeps every one (stock's checkpointing); needs gradient checkpointing, not with offload_checkpoints.
+    attention_once: in training with (non-reentrant) gradient checkpointing, keep the fused attention's output and
+        logsumexp from a layer's forward so that its recompute in backward does not run the attention forward again
+        (bpt.attention_once): one more [B, N, Hq * Dv] tensor per layer on the device, about a fifth of a long step
+        saved. True keeps, False recomputes, None (auto) keeps where a forward's kept tensors fit in a quarter of the
+        device's memory.
     """
 
     q_block: int = 1024
@@ -55,6 +60,7 @@ class BPTConfig:
     eval_logits: bool = True
     offload_checkpoints: bool = False
     checkpoint_stride: int = 1
+    attention_once: bool | None = None
 
     def __post_init__(self):
         for field in ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "norm_chunk"):
@@ -64,8 +70,9 @@ class BPTConfig:
         budget = self.chunk_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"BPT option chunk_budget must be None (auto) or a number of bytes >= 0, got {budget!r}")
-        if self.compile not in (None, True, False):
-            raise ValueError(f"BPT option compile must be True, False or None (auto), got {self.compile!r}")
+        for field in ("compile", "attention_once"):
+            if getattr(self, field) not in (None, True, False):
+                raise ValueError(f"BPT option {field} must be True, False or None (auto), got {getattr(self, field)!r}")
         for field in ("eval_logits", "offload_checkpoints"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"BPT option {field} must be True or False, got {getattr(self, field)!r}")

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from bpt import host_copies
+from bpt import attention_once, host_copies
 
 aten = torch.ops.aten
 
@@ -75,13 +75,22 @@ def head_grouped_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float, is_
 class _HeadGroupedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, is_causal, groups):
+        # in a checkpointed layer's recompute, what its forward kept (bpt.attention_once), else the kernel's results
+        running = attention_once.current()
+        results = running[0].take((q, k, v)) if running is not None and running[1] else None
+        if results is None:
+            if q.device.type == "cpu":
+                results = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+            else:
+                results = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:8]
+            if running is not None and not running[1]:
+                running[0].keep((q, k, v), results)
         if q.device.type == "cpu":
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+            out, lse = results
             ctx.lengths = ()
             ctx.save_for_backward(*map(host_copies.spilled, (q, k, v)), out, lse)
         else:
-            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, is_causal, False, scale=scale)
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset = results
             ctx.lengths = (max_q, max_k)
             ctx.save_for_backward(*map(host_copies.spilled, (q, k, v)), out, lse, cum_q, cum_k, seed, offset)
         ctx.scale, ctx.is_causal, ctx.groups_now = scale, is_causal, groups

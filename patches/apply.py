@@ -28,6 +28,7 @@ from bpt.compile import compiled_forward
 from bpt.config import BPTConfig
 from bpt.mlp import chunked_mlp
 from bpt.norm import norm_source
+from patches.attention_once import keeping_forward
 from patches.attention import (ATTN_IMPLEMENTATION, CONFIG_ATTR, EMPTY_ROWS_ATTR, bpt_attention_forward,
                                stock_empty_rows)
 from patches.bound_attention import BINDERS
@@ -226,6 +227,7 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
             handle.set(module, "config", view)
     handle.set(base, "forward", attention_weights_forward(base, base.forward, view))
     handle.set(hf_model, "forward", causal_lm_forward(hf_model, hf_model.forward, family, config))
+    handle.set(hf_model, "forward", keeping_forward(hf_model, hf_model.forward, config))
     if config.offload_checkpoints:
         text_config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
         handle.set(hf_model, "forward", offloading_forward(hf_model, hf_model.forward, text_config.hidden_size))

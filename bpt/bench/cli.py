@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the per-block functions of the patch (default: only on CUDA)")
     p.add_argument("--no_bpt_compile", dest="bpt_compile", action="store_false",
                    help="turn --bpt_compile off: run them eagerly, also on CUDA (default: compiled only on CUDA)")
+    p.add_argument("--attention_once", dest="attention_once", action="store_true", default=None,
+                   help="with checkpointing, keep each layer's fused attention output for its recompute (default: "
+                   "where a forward's kept outputs fit a quarter of the device; bpt.attention_once)")
+    p.add_argument("--no_attention_once", dest="attention_once", action="store_false",
+                   help="recompute the attention forward in each layer's backward, as stock's checkpointing does")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters only (peft, all linear layers)")
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (with --lora)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -242,7 +247,8 @@ def patch_config(p: argparse.ArgumentParser, args: argparse.Namespace) -> BPTCon
     try:
         return BPTConfig(q_block=args.q_block, kv_block=args.kv_block, mlp_chunk=args.mlp_chunk,
                          loss_chunk=args.loss_chunk, norm_chunk=args.norm_chunk, chunk_budget=args.chunk_budget,
-                         compile=args.bpt_compile, checkpoint_stride=args.checkpoint_stride)
+                         compile=args.bpt_compile, checkpoint_stride=args.checkpoint_stride,
+                         attention_once=args.attention_once)
     except ValueError as error:
         p.error(str(error))
 

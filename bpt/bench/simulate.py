@@ -136,8 +136,8 @@ def build_simulated_model(spec: dict, layers: int, device: torch.device | None =
 
             lora = lora_like_bitsandbytes(lora)
         model = get_peft_model(model, lora)
-    # compile as a user's run has it (auto: on CUDA): fake tensors run it eagerly, priced as compiled (bpt.compile)
-    return model, patch(model, spec, compile=None if device is None else False)
+    # compile as the run has it (auto: on CUDA): fake tensors run it eagerly, priced as compiled (bpt.compile)
+    return model, patch(model, spec, compile=spec.get("bpt", {}).get("compile") if device is None else False)
 
 
 def patch(model, spec: dict, compile: bool | None):
