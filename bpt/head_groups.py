@@ -105,6 +105,8 @@ class _HeadGroupedAttention(torch.autograd.Function):
         if hkv % groups and (groups % hkv or hq % groups):
             raise ValueError(f"head_grouped_attention: {groups} groups neither divide the {hkv} key / value heads nor "
                              f"split each one's query heads ({hq} query heads)")
+        if groups == 1 and not (own_q or own_k or own_v):  # one call over every head: its gradients as the kernel
+            return (*_backward_call(ctx, dout, q, k, v, out, lse, extras), None, None, None)  # returns them
         # q, k, v fetched back from the host are this backward's own: a head's gradient takes its place once the
         # head's calls are done. Else dk / dv are made at their first write (with a single key / value head: after
         # the last call, so never beside that call's workspace).
@@ -116,14 +118,8 @@ class _HeadGroupedAttention(torch.autograd.Function):
             qs = slice(group * q_per_group, (group + 1) * q_per_group)
             first_kv = group // per_kv * kv_per_group
             ks = slice(first_kv, first_kv + kv_per_group)
-            args = (dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, qs].contiguous())
-            if q.device.type == "cpu":
-                part_q, part_k, part_v = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    *args, 0.0, ctx.is_causal, scale=ctx.scale)
-            else:
-                cum_q, cum_k, seed, offset = extras
-                part_q, part_k, part_v = aten._scaled_dot_product_flash_attention_backward(
-                    *args, cum_q, cum_k, *ctx.lengths, 0.0, ctx.is_causal, seed, offset, scale=ctx.scale)[:3]
+            part_q, part_k, part_v = _backward_call(ctx, dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs],
+                                                    lse[:, qs].contiguous(), extras)
             dq[:, qs].copy_(part_q)
             if per_kv == 1:
                 done = part_k, part_v
@@ -143,3 +139,13 @@ class _HeadGroupedAttention(torch.autograd.Function):
                 dv[:, ks].copy_(done[1])
                 done = summed = None
         return dq, dk, dv, None, None, None
+
+
+def _backward_call(ctx, dout, q, k, v, out, lse, extras) -> tuple[Tensor, Tensor, Tensor]:
+    """torch's flash backward over these heads -> (dq, dk, dv)."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, ctx.is_causal,
+                                                                         scale=ctx.scale)
+    cum_q, cum_k, seed, offset = extras
+    return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, *ctx.lengths, 0.0,
+                                                             ctx.is_causal, seed, offset, scale=ctx.scale)[:3]

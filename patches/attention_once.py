@@ -15,6 +15,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from bpt import attention_once
 from bpt.config import BPTConfig
 
+# A model standing for a deeper one (the simulation's 2 layers of 32, extrapolated) names that depth here: the auto
+# rule weighs a whole forward's kept bytes.
+DEPTH_ATTR = "_bpt_stands_for_layers"
+
 
 def keeping_forward(model, original, config: BPTConfig):
     """`model.forward` that runs a training forward (grad on, train mode) with its checkpointed layers keeping their
@@ -26,7 +30,8 @@ def keeping_forward(model, original, config: BPTConfig):
             and torch.is_grad_enabled() else []
         if not layers:
             return original(*args, **kwargs)
-        rule = attention_once.KeepRule(config.attention_once, len(layers))
+        depth = getattr(model, DEPTH_ATTR, len(layers))
+        rule = attention_once.KeepRule(config.attention_once, depth, config.offload_checkpoints)
         functions = [layer._gradient_checkpointing_func for layer in layers]
         try:
             for layer, function in zip(layers, functions):

@@ -145,8 +145,12 @@ def patch(model, spec: dict, compile: bool | None):
     if spec["side"] not in ("patched", "patched+offload"):
         return None
     from patches import apply_bpt_patch
+    from patches.apply import unwrap
+    from patches.attention_once import DEPTH_ATTR
 
-    return apply_bpt_patch(model, **{**patch_options(spec), "compile": compile})
+    handle = apply_bpt_patch(model, **{**patch_options(spec), "compile": compile})
+    handle.set(unwrap(model), DEPTH_ATTR, spec["model_config"]["num_hidden_layers"])  # the depth it stands for
+    return handle
 
 
 def quantiser(device: torch.device | None) -> str:
