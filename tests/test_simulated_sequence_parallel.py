@@ -142,6 +142,29 @@ def test_find_max_per_layout_counts_the_whole_sequence(tmp_path):
     assert (four["sequence_parallel"], four["sp_mode"]) == (4, "ulysses")
 
 
+def test_find_max_stops_where_the_machines_host_memory_does(tmp_path):
+    """A stand-in rank whose device holds any length but whose offloaded bytes (1 MiB a token of its shard, 8 ranks
+    on a 2 TB machine: 256 GiB each) do not: the longest is the host's, and says so."""
+    from bpt.bench.simulate import host_memory
+
+    def runner(spec):
+        share = spec["seq_len"] // spec["sequence_parallel"]
+        row = {"ok": True, "device": "simulated h100-80gb", "layers": 2, "depth": 2, "extrapolated": False,
+               "peak_bytes": 2**30, "step_bytes": 2**30, "bytes_per_token": 1.0, "fits": True, "attention_paths": {},
+               "peak_holders": [], "threads": 1, "tokens_per_rank": share, "sent_bytes": 0,
+               "host_peak_bytes": share << 20}
+        row.update(host_memory(spec, row["host_peak_bytes"]))
+        if not row["host_fits"]:
+            row["device_fits"], row["fits"] = True, False
+        return row
+
+    report = main(["--model", "tiny", "--simulate", "h100-80gb", "--seq_lens", "1048576", "--sides",
+                   "patched+offload", "--sequence_parallel", "8", "--sp_mode", "ring", "--find_max", "--output",
+                   str(tmp_path / "find_max.json")], runner=runner)
+    found = report["find_max"]["patched+offload sp8 ring"]
+    assert found["max_context_tokens"] == 8 * 256 * 1024 and found["reason"] == "host memory over the machine's"
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--sides", "stock"], "splits the patched model only"),
     (["--tensor_parallel", "2"], "not --tensor_parallel"),

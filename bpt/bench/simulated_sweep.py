@@ -178,11 +178,19 @@ def simulated_sweep(args: argparse.Namespace, model_config: dict, runner: Callab
                 found[layout_name(side, world, mode)] = {
                     "side": side, "sequence_parallel": world, "sp_mode": mode, "max_context_tokens": longest,
                     "first_over": first_over, "usable_bytes": gpu.usable_bytes, "reserve_bytes": RESERVE_BYTES,
-                    "reason": "peak over the usable memory" if first_over else f"reached --max_len {args.max_len}"}
+                    "reason": _over_reason(next((r for r in runs if ours(r) and r["seq_len"] == first_over), None))
+                    if first_over else f"reached --max_len {args.max_len}"}
                 for run in runs:
                     if ours(run):
                         run["max_context_tokens"] = longest
     return runs, found
+
+
+def _over_reason(run: dict | None) -> str:
+    """Why the shortest length over is: the device's peak, or the machine's host memory (the device holding it)."""
+    if run is not None and run.get("host_fits") is False and run.get("device_fits"):
+        return "host memory over the machine's"
+    return "peak over the usable memory"
 
 
 def format_simulated(args: argparse.Namespace, runs: list, found: dict) -> str:
