@@ -47,13 +47,34 @@ class KeepRule:
         self.setting, self.layers = setting, layers
         self.share = OFFLOAD_KEEP_SHARE if offloaded else KEEP_SHARE
         self.decided: bool | None = setting
+        self.layer_bytes: int | None = None  # what one layer's attention keeps (its first call's results)
         self.kept_bytes = 0  # what this forward kept, over every layer
 
     def keeps(self, results: tuple) -> bool:
-        if self.decided is None:
-            tensors = [t for t in results if isinstance(t, Tensor)]
-            self.decided = self.layers * _nbytes(results) <= self.share * memory_of(tensors[0].device)
+        global _LAST
+        if self.layer_bytes is None:
+            _LAST, self.layer_bytes = self, _nbytes(results)
+            if self.decided is None:
+                device = next(t for t in results if isinstance(t, Tensor)).device
+                self.decided = self.layers * self.layer_bytes <= self.share * memory_of(device)
         return self.decided
+
+    def summary(self) -> dict:
+        """{"kept": whether the forward kept, "bytes": what keeping takes over every layer, "setting": the rule's}."""
+        return {"kept": bool(self.decided), "bytes": self.layers * (self.layer_bytes or 0), "setting": self.setting}
+
+
+_LAST: KeepRule | None = None
+
+
+def last_decision(forget: bool = False) -> dict | None:
+    """The summary of the latest forward that asked (a simulated step's, read after it), or None; `forget`: and
+    none after."""
+    global _LAST
+    decision = None if _LAST is None else _LAST.summary()
+    if forget:
+        _LAST = None
+    return decision
 
 
 def _nbytes(results: tuple) -> int:

@@ -108,3 +108,13 @@ def test_a_recompute_that_asks_for_other_inputs_is_refused():
     with pytest.raises(RuntimeError, match="another path than its forward"):
         store.take((q[:, :, :4], q[:, :, :4], q[:, :, :4]))
     assert store.take((q, q, q)) is None  # nothing left (a second backward): the kernel runs
+
+
+def test_the_flag_needs_checkpointing():
+    from train.errors import UserError
+    from train.recipe.args import parse_args
+
+    assert parse_args(["--attention_once"]).attention_once is True
+    assert parse_args(["--no_attention_once"]).attention_once is False
+    with pytest.raises(UserError, match="needs --bpt and gradient checkpointing"):
+        parse_args(["--attention_once", "--no_gradient_checkpointing"])

@@ -90,3 +90,22 @@ def test_inductor_compiled_mlp_chunks_equal_eager(backend):
     for c, e, r in zip(compiled, eager, reference):
         assert (c - r).norm() <= 1.25 * (e - r).norm()
     assert bpt_compile.compile_stats()["compiling_calls"] >= 2  # the chunks' graph and the recompute's
+
+
+def test_the_trainer_says_what_a_step_compiled(monkeypatch):
+    """train.qlora's loop prints the first step's graphs and seconds, and any later step that compiled again."""
+    from types import SimpleNamespace
+
+    from train.run.loop import CompileWatch
+
+    stats = {"graphs": 0, "compiling_calls": 0, "compile_seconds": 0.0, "bodies": []}
+    monkeypatch.setattr(bpt_compile, "compile_stats", lambda: dict(stats))
+    printed = []
+    watch = CompileWatch(SimpleNamespace(print=printed.append))
+    stats.update(graphs=5, compiling_calls=5, compile_seconds=12.5)
+    watch.after(1, first=True)
+    watch.after(2, first=False)  # nothing compiled: nothing said
+    stats.update(graphs=6, compiling_calls=6, compile_seconds=14.0)
+    watch.after(3, first=False)
+    assert printed == ["compile: step 1 compiled 5 graph(s), 12.5 s",
+                       "compile: step 3 compiled 1 graph(s) again (a shape or setting it had not seen), 1.5 s"]

@@ -199,6 +199,7 @@ def tracked_step(model, share, sim, real: bool, top: int = 10, clock: bool = Tru
     patch's chunks) is what the whole run's step would leave."""
     from bpt.gpusim.tracker import AllocationTracker, flash_backward_workspace
 
+    from bpt import attention_once
     from bpt.compile import regions_told_to
     from bpt.gpusim.clock import StepClock, rates_for
 
@@ -228,6 +229,7 @@ def tracked_step(model, share, sim, real: bool, top: int = 10, clock: bool = Tru
         # gradient, 16 MiB at 64K for a 1B model) a moment after handing back: when, varies with the machine's load,
         # and the step's peak with it (x14 at a 1B model's depth from 2 layers).
         stack.enter_context(torch.autograd.set_multithreading_enabled(real))
+        attention_once.last_decision(forget=True)
         tracker.phase = "forward"
         # bf16 autocast on the GPU, as the recipe trains (made inside `simulate`: torch refuses it outside)
         with share.attention():
@@ -244,6 +246,7 @@ def tracked_step(model, share, sim, real: bool, top: int = 10, clock: bool = Tru
         timed["exchange"] = exchange.summary()
     return {**tracker.summary(), **timed, "before_bytes": before, "step_bytes": tracker.peak - before, **allocator,
             "loss": loss_value, "attention_paths": dict(sim.attention_paths),
+            "attention_once": attention_once.last_decision(),
             "oracle_answers": dict(sim.oracle.answers), "tokens_per_rank": share.inputs["input_ids"].shape[-1],
             "sent_bytes": share.sent_bytes()}
 

@@ -107,7 +107,7 @@ class LoraArguments:
 
 
 BPT_SIZES = ("q_block", "kv_block", "mlp_chunk", "loss_chunk", "norm_chunk")  # tokens
-BPT_OPTIONS = (*BPT_SIZES, "chunk_budget")  # flags passed to apply_bpt_patch
+BPT_OPTIONS = (*BPT_SIZES, "chunk_budget", "attention_once")  # flags passed to apply_bpt_patch (None: its default)
 
 
 @dataclass
@@ -125,7 +125,13 @@ class BPTArguments:
         None, "Bytes a chunk (MLP, norm, loss) may hold: where the token sizes above hold less, chunks take more "
         "tokens (fewer kernel launches); default on CUDA: up to 1/8 of the device and a quarter of what is free "
         "beyond 1/4 of it, 0 on CPU; 0: the sizes exactly.")
-    bpt_compile: bool | None = flag(None, "torch.compile the per-block functions; default: only on CUDA.")
+    bpt_compile: bool | None = flag(None, "torch.compile the patch's blocks and module bodies (MLP, norms, LoRA "
+                                    "projections, rotary); default: only on CUDA.")
+    attention_once: bool | None = flag(
+        None, "With gradient checkpointing, keep each layer's attention output and logsumexp from its forward so that "
+        "its recompute in backward skips the attention (~a fifth of a long step) for one more [tokens, hidden] tensor "
+        "per layer on the device; default: where that fits a quarter of the device (half with "
+        "--offload_checkpoints); --plan says which.")
     offload_checkpoints: bool = flag(False, "Keep the layer checkpoints in host memory (pinned, copied on a side "
                                      "stream, prefetched one layer ahead): device memory then no longer grows with "
                                      "layers x tokens; host memory does. Needs gradient checkpointing.")
@@ -407,6 +413,9 @@ def validate(args: Args) -> None:
         raise UserError(f"--eval_lengths must be positive, got {args.eval_lengths}")
     if args.bpt_compile and not args.bpt:
         raise UserError("--bpt_compile needs --bpt (it compiles the blockwise functions)")
+    if args.attention_once and not (args.bpt and args.gradient_checkpointing):
+        raise UserError("--attention_once keeps the attention for the layers' recompute: it needs --bpt and gradient "
+                        "checkpointing (drop --no_gradient_checkpointing)")
     if args.checkpoint_stride < 1:
         raise UserError(f"--checkpoint_stride must be at least 1 (1: every layer checkpoint kept), got "
                         f"{args.checkpoint_stride}")

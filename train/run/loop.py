@@ -244,6 +244,26 @@ class MetricsLog:
         return window
 
 
+class CompileWatch:
+    """Says when a step compiled (bpt.compile: the patch's compiled code, on CUDA by default): the first step's graphs
+    and their seconds, and any later step that compiled again (its shapes changed: packed rows of other lengths do
+    not, the dynamic shapes take them)."""
+
+    def __init__(self, accelerator):
+        from bpt.compile import compile_stats
+
+        self.accelerator, self.stats, self.seen = accelerator, compile_stats, compile_stats()
+
+    def after(self, step: int, first: bool) -> None:
+        now = self.stats()
+        if now["compiling_calls"] == self.seen["compiling_calls"]:
+            return
+        graphs, seconds = now["graphs"] - self.seen["graphs"], now["compile_seconds"] - self.seen["compile_seconds"]
+        self.seen = now
+        why = "" if first else " again (a shape or setting it had not seen)"
+        self.accelerator.print(f"compile: step {step} compiled {graphs} graph(s){why}, {seconds:.1f} s")
+
+
 def _truncate_metrics(path: str, keep_through_step: int) -> None:
     """Drop lines of steps after the resume point (an interrupted run may have logged past its checkpoint) and a
     row torn by a crash; the file is replaced whole, so a failure here leaves it as it was."""
@@ -335,6 +355,7 @@ def _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, ar
     losses = []
     model.train()
     step, saved_at = start_step, time.monotonic()
+    compiled = CompileWatch(accelerator)
     try:
         for step in range(start_step + 1, steps + 1):
             group, position = next(groups)
@@ -350,6 +371,7 @@ def _train_loop(model, optimizer, scheduler, dataset, tokenizer, accelerator, ar
                                        "Lower --learning_rate or check the data, then resume with "
                                        "--resume_from_checkpoint latest") from None
             losses.append(loss)
+            compiled.after(step, first=step == start_step + 1)
             # A row only where the uninterrupted run writes one: a stop keeps the window in its checkpoint.
             window = metrics.add(step, loss, tokens, time.perf_counter() - started, lr, grad_norm,
                                  last=step == steps)
