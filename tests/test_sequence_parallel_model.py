@@ -142,6 +142,22 @@ def _run_bf16(mode, group):
     return {"loss": group_loss(loss.float(), group), "grads": _grads(model)}
 
 
+def _run_attention_once(once: bool, group):
+    """Ulysses over checkpointed layers (unpadded rows: the fused kernel) with the attention kept for the recompute
+    or recomputed (bpt.attention_once); the attention forwards this rank ran."""
+    from test_attention_once import _CountForwards
+
+    model = _model("llama", True, patch=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_bpt_patch(model, **SMALL_BLOCKS, attention_once=once)
+    local, context = shard_batch(_batch("plain"), group, "ulysses")
+    with sequence_parallel_attention(model, context), _CountForwards() as count:
+        loss = model(**local).loss
+        loss.backward()
+    reduce_gradients(model, group)
+    return {"loss": group_loss(loss, group), "grads": _grads(model), "forwards": count.calls}
+
+
 def _worker(rank, world):
     group = None
     results = {name: _run_case(name, group, world) for name in (CASES if world == 2 else CASES_3)}
@@ -149,6 +165,7 @@ def _worker(rank, world):
         results["local_shift"] = _run_local_shift(group, world)
         results["ddp"] = _run_ddp(group, world)
         results.update({f"bf16_{mode}": _run_bf16(mode, group) for mode in BF16_MODES})
+        results.update({f"attention_once_{once}": _run_attention_once(once, group) for once in (True, False)})
     else:
         results["ulysses_heads"] = _run_ulysses_heads(group, world)
     return results
@@ -240,6 +257,15 @@ def test_sequence_parallel_under_bf16_autocast_is_no_worse_than_stock(sp_results
     # One scalar is too noisy to rank against stock's own error; instead: splitting the sequence moves the loss
     # less than bf16 itself does (the ranks merge their partial results in fp32).
     assert split_vs_patched <= stock_loss_err
+
+
+def test_ulysses_keeps_the_attention_for_the_recompute_bitwise(sp_results):
+    """Checkpointed layers under Ulysses: the kept attention gives the recomputing path's loss and gradients bitwise,
+    with one attention forward per layer where recomputing runs two."""
+    kept, recomputed = (sp_results(2)[0][f"attention_once_{once}"] for once in (True, False))
+    assert 2 * kept["forwards"] == recomputed["forwards"] > 0
+    assert torch.equal(kept["loss"], recomputed["loss"]) and kept["grads"].keys() == recomputed["grads"].keys()
+    assert all(torch.equal(kept["grads"][name], recomputed["grads"][name]) for name in kept["grads"])
 
 
 def test_labels_shifted_per_shard_would_be_wrong(sp_results):
