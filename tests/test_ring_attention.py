@@ -93,6 +93,27 @@ def _run_case(name, rank, world, shard, group=None, dtype=torch.float32, head_gr
     return result
 
 
+ATTENTION_ONCE = "causal_gqa_small_blocks"
+
+
+def _checkpointed_case(name, rank, world, keep):
+    """The fused ring inside a non-reentrant checkpoint whose recompute takes what the forward kept (keep True,
+    bpt.attention_once) or runs the ring again (False); with the bytes it sent over the step."""
+    from torch.utils.checkpoint import checkpoint
+
+    from bpt import attention_once
+    from bpt.sequence_parallel import traffic
+
+    q, k, v, dout, _, n = _inputs(name)
+    qs, ks, vs = (zigzag_shard(t, 2, rank, world).requires_grad_() for t in (q, k, v))
+    traffic.reset()
+    out = checkpoint(lambda a, b, c: ring_attention(a, b, c, seq_len=n).mul(1.0), qs, ks, vs, use_reentrant=False,
+                     context_fn=attention_once.context_fn(attention_once.KeepRule(keep, 1)))
+    out.backward(zigzag_shard(dout, 2, rank, world))
+    return {"out": out.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad,
+            "sent": torch.tensor(traffic.sent()["ring_p2p"])}
+
+
 def _worker(rank, world):
     import torch.distributed as dist
 
@@ -109,6 +130,8 @@ def _worker(rank, world):
     # the fused backward a query head at a time (the head-group rule asks for 4 groups of the 4 query heads)
     results["head_groups"] = _run_case("causal_gqa_small_blocks", rank, world, zigzag_shard, head_groups=lambda: 4)
     results["bf16_fused"] = _run_case("causal_long", rank, world, zigzag_shard, dtype=torch.bfloat16)
+    for keep in (True, False):
+        results[f"attention_once_{keep}"] = _checkpointed_case(ATTENTION_ONCE, rank, world, keep)
     results["wrong_layout"] = _run_case(WRONG_LAYOUT, rank, world, _contiguous_shard)
     results["bf16"] = _run_case(SUBGROUP_CASE, rank, world, zigzag_shard, dtype=torch.bfloat16)
     if world == 4:  # two rings of 2 in one world: group ranks are not global ranks (0, 2 and 1, 3)
@@ -189,6 +212,21 @@ def test_fused_path_where_no_mask_but_causality(ring_results, world):
     grouped = ring_results(world)["head_groups"]
     errors = _errors(grouped, "causal_gqa_small_blocks", CASES["causal_gqa_small_blocks"][0])
     assert max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fused_ring_attention_once(ring_results, world):
+    """In a checkpointed layer, the recompute takes the forward's output and logsumexp (bpt.attention_once): the
+    gradients are bitwise those of recomputing the ring, and the recompute sends nothing (one forward's hops fewer)."""
+    kept, recomputed = ring_results(world)["attention_once_True"], ring_results(world)["attention_once_False"]
+    for key in ("out", "dq", "dk", "dv"):
+        assert all(torch.equal(a, b) for a, b in zip(kept[key], recomputed[key])), key
+    errors = _errors({key: kept[key] for key in ("out", "dq", "dk", "dv")}, ATTENTION_ONCE, CASES[ATTENTION_ONCE][0])
+    assert max(errors.values()) <= 1e-5, errors
+    n, hkv = CASES[ATTENTION_ONCE][0], CASES[ATTENTION_ONCE][2]
+    shard = 2 * 2 * hkv * (2 * -(-n // (2 * world))) * 8 * 4  # k and v of a rank's shard: B 2, D 8, fp32
+    for sent_kept, sent_again in zip(kept["sent"], recomputed["sent"]):
+        assert int(sent_again) - int(sent_kept) == (world - 1) * shard
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from bpt import attention_once
 from bpt.engine import autocast_off
 
 aten = torch.ops.aten
@@ -167,6 +168,38 @@ def _head_slices(groups: int, hq: int, hkv: int) -> list[tuple[slice, slice]]:
             for i in range(groups)]
 
 
+def _ring_forward(q, k, v, scale: float, causal: bool, ring):
+    """The ring's forward: every hop's calls merged into the rows' output and logsumexp -> (out [B, Hq, n, Dv] in
+    q's dtype, lse [B, Hq, n] in the accumulation dtype, what the CUDA backward needs of a forward call)."""
+    b, hq, n, _ = q.shape
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    acc = q.new_zeros(b, hq, n, v.shape[-1], dtype=acc_dtype)  # running output of every row
+    acc_lse = q.new_full((b, hq, n), float("-inf"), dtype=acc_dtype)
+    started = [False, False]  # chunk's rows hold a call's result already
+    shard, extras = [k.contiguous(), v.contiguous()], None
+    for step in range(ring.world):
+        incoming, works = ring.exchange(shard) if step + 1 < ring.world else (None, [])  # overlaps compute
+        ks, vs = shard
+        for r0, r1, j0, j1, is_causal in _calls(ring, (ring.rank - step) % ring.world, causal):
+            out, lse, made = _kernel_forward(q[:, :, r0:r1], ks[:, :, j0:j1], vs[:, :, j0:j1], scale, is_causal)
+            extras = extras or made
+            chunks = range(r0 // ring.c, (r1 - 1) // ring.c + 1)
+            if not any(started[i] for i in chunks):  # the rows' first result: taken as it is
+                acc[:, :, r0:r1].copy_(out)
+                acc_lse[:, :, r0:r1].copy_(lse)
+            else:
+                _merge(acc[:, :, r0:r1], acc_lse[:, :, r0:r1], out, lse)
+            del out, lse
+            for i in chunks:
+                started[i] = True
+        _wait(works)
+        shard = incoming
+    # [B, N, H, D] in memory, as the fused kernel returns its output: its rows' slices are what its backward takes
+    out = q.new_empty(b, n, hq, v.shape[-1]).transpose(1, 2)
+    out.copy_(acc)  # rows past the true length stayed 0 (their logsumexp -inf: no call reads it)
+    return out, acc_lse, extras
+
+
 # ----------------------------------------------------------------------------------------------------
 # Autograd Function
 # ----------------------------------------------------------------------------------------------------
@@ -176,34 +209,14 @@ class _FusedRing(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def forward(ctx, q, k, v, scale, causal, ring, head_groups):
-        b, hq, n, d = q.shape
-        acc_dtype = torch.promote_types(q.dtype, torch.float32)
-        acc = q.new_zeros(b, hq, n, v.shape[-1], dtype=acc_dtype)  # running output of every row
-        acc_lse = q.new_full((b, hq, n), float("-inf"), dtype=acc_dtype)
-        started = [False, False]  # chunk's rows hold a call's result already
-        shard, extras = [k.contiguous(), v.contiguous()], None
-        for step in range(ring.world):
-            incoming, works = ring.exchange(shard) if step + 1 < ring.world else (None, [])  # overlaps compute
-            ks, vs = shard
-            for r0, r1, j0, j1, is_causal in _calls(ring, (ring.rank - step) % ring.world, causal):
-                out, lse, made = _kernel_forward(q[:, :, r0:r1], ks[:, :, j0:j1], vs[:, :, j0:j1], scale, is_causal)
-                extras = extras or made
-                chunks = range(r0 // ring.c, (r1 - 1) // ring.c + 1)
-                if not any(started[i] for i in chunks):  # the rows' first result: taken as it is
-                    acc[:, :, r0:r1].copy_(out)
-                    acc_lse[:, :, r0:r1].copy_(lse)
-                else:
-                    _merge(acc[:, :, r0:r1], acc_lse[:, :, r0:r1], out, lse)
-                del out, lse
-                for i in chunks:
-                    started[i] = True
-            _wait(works)
-            shard = incoming
-        # [B, N, H, D] in memory, as the fused kernel returns its output: its rows' slices are what its backward takes
-        out = q.new_empty(b, n, hq, v.shape[-1]).transpose(1, 2)
-        out.copy_(acc)  # rows past the true length stayed 0 (their logsumexp -inf: no call reads it)
-        del acc
-        ctx.save_for_backward(q, k, v, out, acc_lse)
+        # a checkpointed layer's recompute takes what its forward kept (bpt.attention_once): no kernel, no exchange.
+        # Every rank decides alike (the keep rule weighs the same shapes against the same device), so none waits.
+        running = attention_once.current()
+        kept = running[0].take((q, k, v)) if running is not None and running[1] else None
+        out, lse, extras = kept if kept is not None else _ring_forward(q, k, v, scale, causal, ring)
+        if running is not None and not running[1]:
+            running[0].keep((q, k, v), (out, lse, extras))
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.causal, ctx.ring, ctx.head_groups, ctx.extras = scale, causal, ring, head_groups, extras
         return out
 
