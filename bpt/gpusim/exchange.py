@@ -41,7 +41,8 @@ class Links:
         ways = []
         for peers in (sends, receives):
             local = sum(n for peer, n in peers.items() if self.same_machine(peer))
-            ways += [local / self.nvlink_bytes_per_second, (sum(peers.values()) - local) / self.network_bytes_per_second]
+            remote = sum(peers.values()) - local
+            ways += [local / self.nvlink_bytes_per_second, remote / self.network_bytes_per_second]
         return max(ways, default=0.0)
 
 

@@ -301,7 +301,8 @@ def print_plan(args, echo: Callable[[str], None] = print) -> Planned:
           "loaded) ...", file=sys.stderr, flush=True)
     spec = step_spec(args, config, args.max_seq_len, adapters)
     blockwise_ring = args.packing or getattr(config, "sliding_window", None)  # else ring takes the fused kernel
-    if args.sp_mode == "ring" and blockwise_ring and args.max_seq_len > RING_QUICK * args.sequence_parallel > RING_QUICK:
+    long_ring = args.max_seq_len > RING_QUICK * args.sequence_parallel > RING_QUICK
+    if args.sp_mode == "ring" and blockwise_ring and long_ring:
         print(f"plan: ring attention over packed documents or a sliding window is simulated block by block, as it "
               f"runs: past {RING_QUICK} tokens a rank this takes minutes to hours (unpacked rows take the fused "
               "kernel; --sp_mode ulysses simulates in seconds)", file=sys.stderr, flush=True)
