@@ -53,9 +53,11 @@ def test_depth_extrapolation_equals_the_full_depth():
 @pytest.mark.parametrize("stride", [2, 3])
 def test_depth_extrapolation_with_a_checkpoint_stride_equals_the_full_depth(stride):
     """With one layer input kept in k the figures are linear in the depth in steps of k: the simulated depth is
-    raised to one whole steps away from the full depth, and the next one is k deeper."""
+    raised to one whole steps away from the full depth, and the next one is k deeper. (The attention recomputed: with
+    it kept, a 1-layer step at stride 2 holds 21 KB less than the slope of the deeper ones, 0.7% off at depth 7; the
+    bench extrapolates from 2 and 3 layers.)"""
     config = resolve_model_config("tiny", 300) | {"num_hidden_layers": 7}
-    bpt = BLOCKS | {"checkpoint_stride": stride}
+    bpt = BLOCKS | {"checkpoint_stride": stride, "attention_once": False}
     full = run_simulation(_spec(model_config=config, bpt=bpt))
     extrapolated = run_simulation(_spec(model_config=config, bpt=bpt, layers=1))
     assert extrapolated["extrapolated"] and (7 - extrapolated["layers"]) % stride == 0
@@ -134,7 +136,7 @@ def test_a_process_booted_with_the_shim_runs_fake_cuda_backward(shim_library):
 
 def test_bench_simulate_rows_on_a_simulated_h100(tmp_path, capsys, shim_library):
     """Real workers (shim-booted processes): every row is labelled simulated, the patched side's step at 8K
-    tokens holds no N x V logits, plain causal attention takes the flash kernel on both sides."""
+    tokens holds no N x V logits, plain causal attention takes a flash kernel on both sides."""
     output = tmp_path / "sim.json"
     report = main(["--simulate", "h100-80gb", "--model", "tiny", "--seq_lens", "8192", "--bits", "4", "--lora",
                    "--lora_r", "4", "--lora_targets", "q_proj,v_proj", "--chunk_budget", "0", "--output", str(output)])
@@ -142,7 +144,9 @@ def test_bench_simulate_rows_on_a_simulated_h100(tmp_path, capsys, shim_library)
     assert all(r["ok"] for r in runs.values()), runs
     for side, run in runs.items():
         assert run["device"] == "simulated h100-80gb" and run["bits"] == 4 and run["lora_r"] == 4
-        assert run["attention_paths"] == {"sdpa-flash": 4}, run["attention_paths"]  # 2 layers, + recompute
+        # 2 layers, + recompute; patched: the flash kernel whose results a checkpointed forward keeps (attention once)
+        path = "flash-head-groups" if side == "patched" else "sdpa-flash"
+        assert run["attention_paths"] == {path: 4}, run["attention_paths"]
         assert run["peak_gib"] == run["peak_bytes"] / 2**30 and run["fits"] is True
         assert {"op", "shape", "dtype", "bytes"} <= set(run["peak_holders"][0])
     vocab, n = 1024, 8192

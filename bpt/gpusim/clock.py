@@ -279,7 +279,8 @@ class StepClock:
         devices = {t.device.type for t in (*inputs, *outputs) if t.dim()}  # a 0-dim CPU operand is a scalar
         transfer = packet in COPIES and len(devices) > 1 and r.link_bytes_per_second
         attention = any(a in packet.__name__ for a in ATTENTION)
-        extern = kernel and bool(flops or attention or transfer or packet in SYNCS)
+        # a library's own op (bitsandbytes' dequantisation) is a kernel of its own: compiled code does not fuse it
+        extern = kernel and bool(flops or attention or transfer or packet in SYNCS or func.namespace != "aten")
         if self.regions and not extern:
             if kernel:  # compiled code: no dispatch per op, its memory-bound ops fuse into one kernel
                 self._group_of(self.regions[-1]).add(inputs, outputs, self._compute(packet, outputs))

@@ -5,7 +5,8 @@ quantisation one uint8 absmax per 64-value block, one fp32 absmax per 256 of tho
 Its matmul (bnb.matmul_4bit) casts the input to the compute dtype, dequantises the whole weight to that dtype
 (a transient [out, in] tensor), multiplies, and casts the output back to the input's dtype (Linear4bit.forward);
 backward dequantises again for the input gradient and keeps nothing between the two. `Emulated4bitLinear` does
-exactly those allocations with uninitialised values: for memory on fake tensors, never for results.
+exactly those allocations with uninitialised values: for memory on fake tensors, never for results; its dequantisation
+is one op of its own (`dequantize_nf4`), which the clock prices as the kernel bitsandbytes launches (its bytes).
 It subclasses nn.Linear so peft's all-linear finds it; `lora_like_bitsandbytes` makes peft wrap it in the LoRA class
 it uses for bitsandbytes' layer.
 """
@@ -17,6 +18,19 @@ from torch import nn
 
 BLOCK = 64          # values per absmax (bitsandbytes' default 4-bit blocksize)
 NESTED_BLOCK = 256  # absmax values per second-level fp32 absmax (double quantisation)
+
+
+@torch.library.custom_op("bpt_sim::dequantize_nf4", mutates_args=())
+def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, rows: int, cols: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes' dequantisation as the simulation sees it: one kernel (its own, not one compile fuses) that reads
+    the packed weight and its block scales and writes the [rows, cols] weight; no values."""
+    return torch.empty(rows, cols, dtype=dtype, device=packed.device)
+
+
+@dequantize_nf4.register_fake
+def _(packed, absmax, rows, cols, dtype):
+    return packed.new_empty(rows, cols, dtype=dtype)
 
 
 class _Dequantised(torch.autograd.Function):
@@ -50,7 +64,7 @@ class Emulated4bitLinear(nn.Linear):
 
     def dequantise(self, dtype: torch.dtype) -> torch.Tensor:
         """The transient full weight [out, in] bitsandbytes builds per matmul (values not computed)."""
-        return torch.empty(self.out_features, self.in_features, dtype=dtype, device=self.weight.device)
+        return dequantize_nf4(self.weight, self.absmax, self.out_features, self.in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
