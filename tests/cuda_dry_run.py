@@ -9,7 +9,8 @@ loss chunks of 1024). Per case it records:
 - what came out: device, dtype and shape of the output and of every gradient, beside stock's (the unpatched model,
   F.scaled_dot_product_attention or an eager reference, run the same way on the same simulated device);
 - the attention path taken: the routed SDPA's kernel ("sdpa-flash" / "sdpa-efficient" / "sdpa-math"), or bpt's own
-  blockwise / ring kernel ("blockwise" / "ring");
+  kernels ("blockwise", "varlen", "flash-head-groups": the fused kernel with its backward in head groups, taken in
+  a checkpointed layer, "ring" / "ring-fused": ring attention block by block / on the fused kernel);
 - `wide`: every op output that is N x N, N x I (MLP intermediate) or N x V (vocabulary), as "op[shape] (kind)",
   from AllocationTracker's record of every op output's shape (stock's too: it must show them, or the probe is blind);
 - `problems`: each way the case differs from what it must be (empty = the case passes); an exception is recorded
@@ -89,20 +90,12 @@ def autocast(mode: str):
 
 @contextlib.contextmanager
 def counting_paths(paths: Counter):
-    """Count calls of bpt's own kernels beside the routed SDPA's: "blockwise" (one device), "varlen" (torch's
-    variable-length flash kernel for packed documents / windows) and "ring"."""
-    import bpt.attention as attention
+    """Count calls of bpt's own kernels beside the routed SDPA's: those the bench counts (bpt.bench.simulate:
+    "blockwise", "varlen", "flash-head-groups", "ring-fused") and the blockwise ring ("ring")."""
     import bpt.sequence_parallel.ring as ring
+    from bpt.bench.simulate import counting_blockwise_calls
 
-    blockwise, ring_function, varlen = attention._blockwise, ring._RingAttention, attention.varlen_causal
-
-    def counted_blockwise(*args, **kwargs):
-        paths["blockwise"] += 1
-        return blockwise(*args, **kwargs)
-
-    def counted_varlen(*args, **kwargs):
-        paths["varlen"] += 1
-        return varlen(*args, **kwargs)
+    ring_function = ring._RingAttention
 
     class CountedRing:
         @staticmethod
@@ -110,11 +103,12 @@ def counting_paths(paths: Counter):
             paths["ring"] += 1
             return ring_function.apply(*args)
 
-    attention._blockwise, ring._RingAttention, attention.varlen_causal = counted_blockwise, CountedRing, counted_varlen
+    ring._RingAttention = CountedRing
     try:
-        yield
+        with counting_blockwise_calls(paths):
+            yield
     finally:
-        attention._blockwise, ring._RingAttention, attention.varlen_causal = blockwise, ring_function, varlen
+        ring._RingAttention = ring_function
 
 
 def no_host_reads(enabled: bool = True):
@@ -678,7 +672,10 @@ for _family in ("llama", "gemma2", "gpt_oss", "bloom", "mixtral", "bamba"):
         case("models", f"{_family}/lora/{_mode}")(lambda family=_family, mode=_mode: run_model(family, mode))
     if _family in QLORA_FAMILIES:
         case("models", f"{_family}/qlora-4bit/bf16-autocast")(
-            lambda family=_family: run_model(family, "bf16-autocast", bits=4, checkpointing=True))
+            # checkpointed: a dense call takes the fused kernel with its backward in head groups (bpt.head_groups)
+            lambda family=_family: run_model(family, "bf16-autocast", bits=4, checkpointing=True,
+                                             expected_path=None if FAMILIES[family][2] == "blockwise"
+                                             else "flash-head-groups"))
 for _inputs in ("padding", "packed"):  # the masks the dense plan applies in every block
     case("models", f"llama/lora/{_inputs}/bf16-autocast")(
         lambda inputs=_inputs: run_model("llama", "bf16-autocast", inputs=inputs, dense=True,
@@ -809,7 +806,7 @@ def run_sequence_parallel_model(family: str, mode: str, sp_mode: str, expected_p
 
 
 SP_OPTIONS = {  # name -> (side inputs, scalars, dense, ring path, ulysses path)
-    "plain": ((), {}, False, "ring", "sdpa-flash"),
+    "plain": ((), {}, False, "ring-fused", "sdpa-flash"),
     "padding": (("padding",), {}, True, "ring", "blockwise"),
     "segments": (("segments",), {}, True, "ring", "blockwise"),
     "sliding-window": ((), {"sliding_window": 1500}, False, "ring", "varlen"),  # Ulysses' whole-sequence attention
@@ -824,7 +821,7 @@ for _name, (_names, _scalars, _dense, _ring, _ulysses) in SP_OPTIONS.items():
             run_sequence_parallel(kind, "bf16-autocast", path, names=names, dense=dense, **scalars))
 case("sequence-parallel", "ulysses/key-bias/bf16-autocast")(
     lambda: run_sequence_parallel("ulysses", "bf16-autocast", "blockwise", names=("key_bias",)))
-for _family, _sp_mode, _path in (("llama", "ring", "ring"), ("llama", "ulysses", "sdpa-flash"),
+for _family, _sp_mode, _path in (("llama", "ring", "ring-fused"), ("llama", "ulysses", "sdpa-flash"),
                                  ("gpt_oss", "ring", "ring"), ("gemma2", "ulysses", "blockwise")):
     # (Bloom's ALiBi is refused here: sequence parallelism checks on the data that its bias is linear in the key
     # index, and the oracle's "true" answer to that check reads as "it is not")
@@ -832,7 +829,7 @@ for _family, _sp_mode, _path in (("llama", "ring", "ring"), ("llama", "ulysses",
         lambda family=_family, sp_mode=_sp_mode, path=_path:
         run_sequence_parallel_model(family, "bf16-autocast", sp_mode, path))
 for _mode in ("fp16-autocast", "bf16-weights"):
-    for _kind, _path in (("ring", "ring"), ("ulysses", "sdpa-flash")):
+    for _kind, _path in (("ring", "ring-fused"), ("ulysses", "sdpa-flash")):
         case("sequence-parallel", f"{_kind}/plain/{_mode}")(
             lambda kind=_kind, path=_path, mode=_mode: run_sequence_parallel(kind, mode, path))
 

@@ -113,10 +113,16 @@ def test_theory_formula_by_hand():
     assert theory_bytes("ring", world=2, rank=0, seq_len=8, checkpointing=False, **shape) == 64 + 64 + 2 * 64
     # checkpointing runs the forward twice; N=7 pads to 8: the 4-byte key mask travels with each K/V hop
     assert theory_bytes("ring", world=2, rank=0, seq_len=7, checkpointing=True, **shape) == 2 * 68 + 68 + 2 * 64
+    # ... unless the forward kept its attention (bpt.attention_once): ring's recompute then sends nothing
+    assert theory_bytes("ring", world=2, rank=0, seq_len=7, checkpointing=True, attention_kept=True,
+                        **shape) == 68 + 68 + 2 * 64
     # ulysses, W=2, N=8 (S=4), Hq=2 -> Hl=1, Hkv=2 -> 1 kv head per rank: q+k+v to the other rank 4*(2+4)*4 B,
     # the output 4*2*4 B; backward the same two
     shape["kv_heads"] = 2
     assert theory_bytes("ulysses", world=2, rank=1, seq_len=8, checkpointing=False, **shape) == 2 * (96 + 32)
+    # Ulysses' recompute moves q / k / v and the output again, kept attention or not
+    assert theory_bytes("ulysses", world=2, rank=1, seq_len=8, checkpointing=True, attention_kept=True,
+                        **shape) == 2 * (96 + 32) + 96 + 32
     assert theory_bytes("ring", world=1, rank=0, seq_len=8, checkpointing=True, **shape) == 0
 
 

@@ -98,10 +98,12 @@ def test_the_step_figure_is_the_plans_own(tmp_path):
 
 
 def test_a_long_step_is_extended_along_the_line_of_two_short_ones(tmp_path):
-    """Past the simulated points the step is not simulated: it is on the line through them (exactly, here)."""
+    """Past the simulated points the step is not simulated: it is on the line through them (exactly, here, with the
+    attention recomputed; kept (bpt.attention_once), a later moment of the backward with a steeper slope overtakes
+    past ~340 tokens and the step at 512 is 1.7% above the line: see train/run/memory_check.py)."""
     args = parse_args(["--model_name_or_path", str(REPO / "train/assets/tiny-llama"), "--dataset", "passkey",
                        "--output_dir", str(tmp_path / "run"), "--max_seq_len", "512", "--rope_scaling", "yarn",
-                       "--no_eval_passkey",
+                       "--no_eval_passkey", "--no_attention_once",
                        "--q_block", "32", "--kv_block", "32", "--mlp_chunk", "64", "--loss_chunk", "32",
                        "--norm_chunk", "64"])
     step = memory_check.estimate(args, cuda=False).parts["step"].bytes

@@ -75,6 +75,10 @@ def test_the_plan_simulates_this_very_run(tiny, tmp_path):
     assert direct["tokens_per_rank"] == 32 and direct["sent_bytes"] > 0  # the ring's exchanges ran
     assert any(line.startswith("           of it exchanging shards: ") for line in verdict)  # and were timed
     assert any("per machine (2 processes of this run on one) of the machine's 1024.00 GiB" in line for line in verdict)
+    # the ring rank kept its attention for the recompute (auto: a few KiB of an 80 GB card), and says so
+    assert planned.row["attention_once"]["kept"] and any(
+        line.startswith("           attention computed once per step: its outputs kept for the recompute, ")
+        and line.endswith("over the depth (in the peak; auto)") for line in verdict), verdict
     assert planned.row["trainable_params"] == direct["trainable_params"]
     # Added analytically: AdamW's two fp32 moments and the gradients kept between the two micro-batches.
     trainable = direct["trainable_params"]

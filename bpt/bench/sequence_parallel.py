@@ -24,6 +24,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from bpt import attention_once
 from bpt.bench.measure import MIB, measure_step
 from bpt.bench.models import build_model
 from bpt.sequence_parallel import traffic
@@ -42,11 +43,13 @@ def attention_shape(config) -> dict:
 
 
 def theory_bytes(mode: str, *, world: int, rank: int, seq_len: int, batch: int, layers: int, q_heads: int,
-                 kv_heads: int, head_dim: int, elem: int, checkpointing: bool) -> int:
+                 kv_heads: int, head_dim: int, elem: int, checkpointing: bool, attention_kept: bool = False) -> int:
     """Bytes rank `rank` sends per training step through the sequence-parallel attention (K = V head dim D).
 
     Every layer's attention runs its forward F times (F = 2 with gradient checkpointing: the checkpointed layer
     is recomputed in backward) and its backward once. e = bytes per element of q / k / v (the model dtype).
+    attention_kept: the step kept its attention outputs (bpt.attention_once): ring's recompute takes them and sends
+    nothing (F = 1); Ulysses' recompute still moves q / k / v and the output (only its kernel is skipped).
 
     ring (zigzag, local length n = 2 * ceil(N / 2W)): a K/V shard is B * Hkv * n * 2D elements, plus the key-side
     mask (uint8, B * n bytes) when the length is padded to the layout (N not a multiple of 2W).
@@ -64,7 +67,8 @@ def theory_bytes(mode: str, *, world: int, rank: int, seq_len: int, batch: int, 
     """
     if world == 1:
         return 0
-    b, d, forwards = batch, head_dim, 2 if checkpointing else 1
+    b, d = batch, head_dim
+    forwards = 2 if checkpointing and not (mode == "ring" and attention_kept) else 1
     if mode == "ring":
         n = 2 * -(-seq_len // (2 * world))
         mask = b * n if world * n > seq_len else 0
@@ -148,7 +152,9 @@ def _run_one(spec: dict, model, mode: str, seq_len: int, groups: tuple) -> dict:
         return step | {"sent": traffic.total()}
 
     warmup = measured_step()
+    attention_once.last_decision(forget=True)
     steps = [measured_step() for _ in range(spec["steps"])]
+    kept = (attention_once.last_decision() or {}).get("kept", False)
     worst = max(steps, key=lambda s: s["added_mib"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     elem = torch.finfo({"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]).bits // 8
@@ -157,14 +163,14 @@ def _run_one(spec: dict, model, mode: str, seq_len: int, groups: tuple) -> dict:
     sp_world = spec["world"] // tp
     theory = theory_bytes(mode, world=sp_world, rank=dist.get_rank(sp_group) if sp_world > 1 else 0,
                           seq_len=seq_len, batch=batch_size, elem=elem, checkpointing=spec["gradient_checkpointing"],
-                          **shape)
+                          attention_kept=kept, **shape)
     return {
         "mode": mode, "seq_len": seq_len, "rank": spec["rank"], "tensor_parallel": tp,
         "step_mib": worst["added_mib"], "step_mib_each": [s["added_mib"] for s in steps],
         "before_mib": worst["before_mib"], "peak_mib": worst["peak_mib"],
         "step_s_each": [s["seconds"] for s in steps], "warmup_s": warmup["seconds"],
         "warmup_mib": warmup["added_mib"],
-        "sent_bytes": max(s["sent"] for s in steps), "theory_bytes": theory,
+        "sent_bytes": max(s["sent"] for s in steps), "theory_bytes": theory, "attention_kept": kept,
         # the gradient all-reduce (not counted in sent_bytes): its payload, what each rank contributes
         "grad_allreduce_payload_bytes": sum(p.numel() * p.element_size() for p in trainable),
         "loss": float(group_loss(steps[0]["out"], sp_group) if split else steps[0]["out"]),

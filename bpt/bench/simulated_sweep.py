@@ -105,7 +105,7 @@ def _row_line(run: dict) -> str:
             f"{run['bytes_per_token'] / 1024:7.1f} KiB/token  {fits}  attention {paths}{extrapolated}")
     if run.get("sequence_parallel", 1) > 1:
         line += f"  {run['tokens_per_rank']:,} tokens/rank, sent {run['sent_bytes'] / GIB:.1f} GiB/rank"
-    if run.get("host_peak_bytes"):
+    if (run.get("host_peak_bytes") or 0) >= GIB // 1024:  # offloaded checkpoints (a few stray host bytes aside)
         line += f"  host {run['host_peak_bytes'] / GIB:.2f} GiB"
         if run.get("host_bytes_per_machine"):
             line += (f" ({run['host_bytes_per_machine'] / GIB:.0f} GiB per machine of "

@@ -63,7 +63,8 @@ class Rates:
     host_seconds_per_op: float   # host time to dispatch one aten op (and launch its kernel)
     kernel_floor_seconds: float  # the shortest kernel, however small its work
     link_bytes_per_second: float | None  # host <-> device, pinned memory
-    peak_bf16: float             # datasheet dense bf16 FLOP/s (the MFU's denominator)
+    peak_bf16: float             # datasheet dense bf16 FLOP/s (the MFU's denominator; a CPU: its fastest measured
+                                 # matmul, fp32 where bf16 has no fast kernels)
     overlap: bool                # True: host and device on separate timelines (a GPU's stream)
     transcendental_per_second: float | None = None  # elements/s of exp-like ops (None: memory-bound only)
     softmax_per_second: float | None = None  # elements/s of a (log_)softmax row, forward or backward
@@ -134,7 +135,7 @@ def cpu_rates(cache_dir: Path | None = None, threads: int | None = None) -> Rate
     attention = {a["dtype"]: (a["forward_flops_per_second"], a["backward_flops_per_second"])
                  for a in measured["attention"]}
     return Rates("cpu", dict(measured["matmul"]), measured["copy_bytes_per_second"], attention,
-                 measured["dispatch"]["seconds_per_op_synced"], 0.0, None, measured["matmul"]["bfloat16"], False,
+                 measured["dispatch"]["seconds_per_op_synced"], 0.0, None, max(measured["matmul"].values()), False,
                  measured["transcendental_per_second"], measured["softmax_per_second"],
                  measured["fresh_bytes_per_second"],
                  (f"measured on this CPU ({measured.get('cpu')}, {measured.get('threads')} threads): {path}",))

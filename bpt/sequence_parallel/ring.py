@@ -3,8 +3,8 @@
 Layout (zigzag). A global sequence of N tokens is padded at its END to N_pad = 2W * c tokens, c = ceil(N / 2W),
 and cut into 2W chunks of c tokens; rank r of a group of W ranks holds chunks r and 2W-1-r, concatenated
 (local length 2c). Under a causal mask every rank then does the same amount of work. `zigzag_shard` /
-`zigzag_unshard` / `zigzag_positions` convert between the layouts; every per-token input (hidden states,
-padding mask, segment ids, labels, dO) is sharded the same way.
+`zigzag_unshard` / `zigzag_positions` (bpt.sequence_parallel.zigzag) convert between the layouts; every per-token
+input (hidden states, padding mask, segment ids, labels, dO) is sharded the same way.
 
 Uneven lengths: pass the true global length as `seq_len` (default: W * local length, no padding). Keys at
 global positions >= seq_len are hidden from every query, and query rows there output exact zeros and get
@@ -54,58 +54,9 @@ from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backwa
                         finish_rows, forward_step, make_plan, scaled_query_rows, sink_rows, start_rows)
 from bpt.sequence_parallel import traffic
 from bpt.sequence_parallel.ring_fused import fused_ring_applies, fused_ring_attention
+from bpt.sequence_parallel.zigzag import chunk_ids, zigzag_positions, zigzag_shard, zigzag_unshard
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions"]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Zigzag layout
-# ----------------------------------------------------------------------------------------------------
-
-
-def _chunk_ids(rank: int, world: int) -> tuple[int, int]:
-    return rank, 2 * world - 1 - rank
-
-
-def zigzag_shard(x: Tensor, dim: int, rank: int, world: int, *, pad_value=0) -> Tensor:
-    """Global tensor -> rank's zigzag shard along dim: chunks rank and 2W-1-rank of the sequence padded with
-    pad_value at its end to a multiple of 2W (local length 2 * ceil(N / 2W))."""
-    if not 0 <= rank < world:
-        raise ValueError(f"rank must be in [0, {world}), got {rank}")
-    n = x.shape[dim]
-    c = -(-n // (2 * world))
-    pad = 2 * world * c - n
-    if pad:
-        shape = list(x.shape)
-        shape[dim] = pad
-        x = torch.cat([x, x.new_full(shape, pad_value)], dim)
-    a, b = _chunk_ids(rank, world)
-    return torch.cat([x.narrow(dim, a * c, c), x.narrow(dim, b * c, c)], dim)
-
-
-def zigzag_unshard(shards: list[Tensor] | tuple[Tensor, ...], dim: int, seq_len: int | None = None) -> Tensor:
-    """Every rank's shard (in rank order) -> the global tensor along dim, cut to seq_len (the inverse of
-    zigzag_shard)."""
-    world = len(shards)
-    n = shards[0].shape[dim]
-    if world == 0 or n % 2 or any(s.shape != shards[0].shape for s in shards):
-        raise ValueError("zigzag_unshard needs one shard per rank, all of one shape, even along dim")
-    c = n // 2
-    chunks: list[Tensor | None] = [None] * (2 * world)
-    for rank, shard in enumerate(shards):
-        a, b = _chunk_ids(rank, world)
-        chunks[a], chunks[b] = shard.narrow(dim, 0, c), shard.narrow(dim, c, c)
-    out = torch.cat(chunks, dim)
-    return out if seq_len is None else out.narrow(dim, 0, seq_len)
-
-
-def zigzag_positions(local_len: int, rank: int, world: int, device=None) -> Tensor:
-    """Global positions [local_len] (int64) of a rank's zigzag shard."""
-    if local_len % 2:
-        raise ValueError(f"a zigzag shard has an even length, got {local_len}")
-    c = local_len // 2
-    a, b = _chunk_ids(rank, world)
-    return torch.cat([torch.arange(a * c, a * c + c, device=device), torch.arange(b * c, b * c + c, device=device)])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -210,7 +161,7 @@ class _Ring:
 
     def chunk_starts(self, rank: int) -> tuple[int, int]:
         """Global positions of the first token of rank's two chunks."""
-        a, b = _chunk_ids(rank, self.world)
+        a, b = chunk_ids(rank, self.world)
         return a * self.c, b * self.c
 
     def real_keys(self, rank: int) -> list[tuple[int, int]]:
