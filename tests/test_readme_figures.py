@@ -1,14 +1,12 @@
 """The figures from runs in the README and docs/ pages are the committed outputs', and those outputs are what this
 checkout prints (tests/readme_figures.py generates the pages' blocks from them)."""
 import json
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from cli_helpers import ENV, REPO
+from cli_helpers import ENV, REPO, first_rows_match_the_committed_run
 
 from readme_figures import BLOCKS, DEFAULT_RUN, bench, cpu_kind, pages, plan_figures, readme_block, stated
 
@@ -42,37 +40,8 @@ def test_the_committed_default_run_is_what_this_checkout_prints(tmp_path):
     if kind is None:
         pytest.skip(f"no committed default run for this CPU's kernels ({torch.backends.cpu.get_cpu_capability()} "
                     "without AVX512-BF16): docs/default-run/ has avx512_bf16 and avx2")
-    out = tmp_path / "run"
-    log = open(tmp_path / "log", "w")
-    run = subprocess.Popen([sys.executable, "-m", "train.qlora", "--output_dir", str(out)], cwd=REPO, env=ENV,
-                           stdout=log, stderr=subprocess.STDOUT,  # SIGTERM as a shell's child gets it, never ignored
-                           preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
-    metrics = out / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 900
-        while not (metrics.exists() and any(json.loads(line)["step"] >= FIRST_STEPS
-                                            for line in metrics.read_text().splitlines() if line.strip())):
-            assert run.poll() is None, (tmp_path / "log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the default run did not reach its first logged rows in 15 min"
-            time.sleep(0.5)
-        run.send_signal(signal.SIGTERM)
-        assert run.wait(timeout=300) == 128 + signal.SIGTERM, (tmp_path / "log").read_text()[-3000:]
-    finally:
-        if run.poll() is None:
-            run.kill()
-        log.close()
-    committed = DEFAULT_RUN / kind
-    assert json.loads((out / "eval.json").read_text())["before"] == \
-        json.loads((committed / "eval.json").read_text())["before"]
-    rows = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
-    expected = [r for r in map(json.loads, (committed / "metrics.jsonl").read_text().splitlines())
-                if r["step"] <= FIRST_STEPS]
-    assert len(expected) == 2
-    for row in expected:
-        got = rows[row["step"]]
-        assert got["tokens"] == row["tokens"] and got["lr"] == pytest.approx(row["lr"], rel=1e-12)
-        assert (got["loss"], got["grad_norm"]) == pytest.approx((row["loss"], row["grad_norm"]), rel=1e-4), \
-            f"step {row['step']} on {kind}: regenerate docs/default-run/{kind} (README 'The default run')"
+    first_rows_match_the_committed_run([], tmp_path / "run", DEFAULT_RUN / kind, FIRST_STEPS, 15,
+                                       "README 'The default run'")
 
 
 def test_the_committed_plan_is_what_this_checkout_prints():

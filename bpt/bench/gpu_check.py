@@ -17,7 +17,11 @@ its time limit keeps what finished:
      (DIR/cuda_tier.log);
   e. the longest context that fits this card, patched and patched+offload: doubling from 64K, each length stepped
      at 2 and 3 layers and extended to the depth (as --simulate --layers), bounded by the time left; beside it the
-     simulation's --find_max on the same card.
+     simulation's --find_max on the same card;
+  f. trainer: `python -m train.qlora` itself on the card, end to end (bpt.bench.trainer_check): the bundled tiny llama
+     extended 64x to 16,384 tokens, passkey before and after, a SIGTERM and --resume_from_checkpoint latest against an
+     uninterrupted run, --merge, the preflight's line and its one-line refusal of an absurd length; ~4 minutes, run
+     when named (--gpu_check_parts trainer: the default parts take a lent card's command as it is).
 With --simulate CARD every part runs on that simulated card instead (the dry run CI runs): "measured" bytes are
 then the tracker's on fake tensors, timings are absent, and the Liger rows say why they did not run.
 The time budget (--time_budget) is shared out so the later parts keep their turn: a part that would eat into the
@@ -40,6 +44,7 @@ from bpt.bench.cuda_tier import run_cuda_tier
 from bpt.bench.gpu_check_table import format_table
 from bpt.bench.models import PEER, resolve_model_config
 from bpt.bench.simulate import longest_fitting
+from bpt.bench.trainer_check import part_trainer
 from bpt.gpusim.gpus import DEVICES, GIB, RESERVE_BYTES
 from bpt.gpusim.gpus import device as simulated_device
 
@@ -55,9 +60,13 @@ MAX_CONTEXT_SIDES = ("patched", "patched+offload")
 MAX_CONTEXT_START = 65536
 FIND_MAX_RESOLUTION = 8192  # the simulation's bisection on the card, in tokens
 SIM_LAYERS = 2  # the simulated rows run 2 and 3 layers and extend the (linear) bytes to the depth
-PARTS = ("clock", "memory", "speed", "cuda_tier", "max_context")  # in the order they run, after the environment
+PARTS = ("clock", "memory", "speed", "cuda_tier", "max_context", "trainer")  # in the order they run, after the environment
 # The least seconds each part keeps for itself out of the check's budget: a running part leaves the later ones theirs.
-PART_SECONDS = {"clock": 20, "memory": 100, "speed": 100, "cuda_tier": 150, "max_context": 45}
+PART_SECONDS = {"clock": 20, "memory": 100, "speed": 100, "cuda_tier": 150, "max_context": 45, "trainer": 240}
+# The trainer runs when named: its 4 minutes beside the others' 8 would not fit one command of a lent card's session.
+DEFAULT_PARTS = tuple(part for part in PARTS if part != "trainer")
+BUDGET_SECONDS = 480.0  # the default --time_budget
+TRAINER_ALONE_SECONDS = 300.0  # ... for --gpu_check_parts trainer alone
 END_SECONDS = 5  # writing the report
 CARDS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100-80gb"), ("L40S", "l40s-48gb"),
          ("4090", "rtx4090-24gb"))
@@ -71,11 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run the prepared check of this GPU (memory against the simulation, speed against "
                             "stock and Liger-Kernel, the CUDA tests, the longest context): --output is a folder; "
                             "with --simulate CARD it runs on that simulated card (the dry run)")
-    group.add_argument("--time_budget", type=float, default=480.0,
-                       help="with --gpu_check: seconds for the whole check, shared out so every part gets its turn")
-    group.add_argument("--gpu_check_parts", nargs="+", choices=PARTS, default=list(PARTS),
-                       help="with --gpu_check: the parts to run (default: all; the environment always runs), e.g. "
-                            "cuda_tier max_context on a card whose memory and speed are already measured")
+    group.add_argument("--time_budget", type=float, default=None,
+                       help=f"with --gpu_check: seconds for the whole check, shared out so every part gets its turn "
+                            f"(default {BUDGET_SECONDS:.0f}; {TRAINER_ALONE_SECONDS:.0f} for the trainer alone)")
+    group.add_argument("--gpu_check_parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS),
+                       help="with --gpu_check: the parts to run (default: all but trainer, which runs when named: "
+                            "--gpu_check_parts trainer; the environment always runs), e.g. cuda_tier max_context on "
+                            "a card whose memory and speed are already measured")
 
 
 def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -88,6 +99,8 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         p.error("--gpu_check needs a CUDA GPU; without one, run the dry run: --gpu_check --simulate h100-80gb")
     if args.simulate is not None and not simulated_device(args.simulate).is_cuda:
         p.error(f"--gpu_check --simulate takes a GPU ({', '.join(n for n, d in DEVICES.items() if d.is_cuda)})")
+    if args.time_budget is None:
+        args.time_budget = TRAINER_ALONE_SECONDS if args.gpu_check_parts == ["trainer"] else BUDGET_SECONDS
     if args.time_budget <= 0:
         p.error(f"--time_budget must be positive, got {args.time_budget}")
     args.model = args.model or MODEL
@@ -124,7 +137,8 @@ class Check:
         self.report = {"gpu_check": "measured" if self.real else f"simulated {args.simulate}",
                        "started": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
                        "lora_r": LORA_R, "time_budget_s": args.time_budget, "parts_done": [],
-                       "environment": None, "clock": None, "memory": [], "speed": [], "cuda_tier": None, "max_context": None}
+                       "environment": None, "clock": None, "memory": [], "speed": [], "cuda_tier": None, "max_context": None,
+                       "trainer": None}
         workers = max(1, min(8, (os.cpu_count() or 2) - 2))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
 
@@ -353,7 +367,7 @@ def run(args: argparse.Namespace, model_config: dict, runner) -> dict:
             find_max = {side: check.pool.submit(simulated_find_max, check, side) for side in MAX_CONTEXT_SIDES}
         runs = {"clock": lambda: part_clock(check), "memory": lambda: part_memory(check, sims),
                 "speed": lambda: part_speed(check), "cuda_tier": lambda: part_cuda_tier(check),
-                "max_context": lambda: part_max_context(check, find_max)}
+                "max_context": lambda: part_max_context(check, find_max), "trainer": lambda: part_trainer(check)}
         for part in PARTS:
             if part in parts:
                 runs[part]()

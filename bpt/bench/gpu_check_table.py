@@ -55,7 +55,31 @@ def format_table(report: dict) -> str:
                 sim = c["simulated_find_max"]
                 lines.append(f"  {side:15s} longest {c['longest']} (stopped: {c['stopped']}); simulated --find_max "
                              f"{sim.get('longest', sim.get('error'))}")
+    lines += _trainer_lines(report.get("trainer"))
     return "\n".join(lines)
+
+
+def _accuracy(cells: dict | None) -> str:
+    return "-" if not cells or cells.get("accuracy") is None else f"{cells['accuracy']:.2f}"
+
+
+def _trainer_lines(t: dict | None) -> list[str]:
+    """The trainer part (bpt.bench.trainer_check) in short."""
+    if not t:
+        return []
+    run, refused, stop = t["run"], t["refusal"], t["interrupted"]
+    speed = "-" if run["tokens_per_s"] is None else f"{run['tokens_per_s']:,.0f}"
+    peak = "-" if run["peak_mem_mb"] is None else f"{run['peak_mem_mb'] / 1024:.2f} GiB"
+    return ["", f"trainer ({t['device']}): {t['command']} {' '.join(t['flags_over_the_preset'])}".rstrip(),
+            f"  run: exit {run['returncode']}, {run['wall_time_s']} s wall, {run['steps_logged']} steps, {speed} tok/s, "
+            f"peak {peak}; passkey {_accuracy(run['eval_before'])} -> {_accuracy(run['eval_after'])}",
+            f"  preflight: {run['preflight_line']}",
+            f"  resumed: SIGTERM after step {stop['stopped_after_step']} (exit {stop['returncode']}), resumed exit "
+            f"{t['resumed']['returncode']}; matches the run: {t['resume']['matches']} ({t['resume']['how']})",
+            f"  merged: {'evaluated, passkey ' + str(t['merged']['accuracy']) if t['merged']['ok'] else t['merged']['error']}",
+            f"  refusal of --max_seq_len {refused['max_seq_len']}: {'one line' if refused['one_line'] else 'NOT one line'}"
+            f" (exit {refused['returncode']}): {(refused['lines'] or [''])[-1]}",
+            f"  saved: {t['saved']} ({t['seconds']:.0f} s for the part)"]
 
 
 def _clock_lines(report: dict) -> list[str]:
