@@ -35,20 +35,20 @@ LOAD_EVERY = 10.0
 KEEP = ("eval.json", "eval_results.json", "metrics.jsonl", "run_info.json", "machine.json")
 
 # name -> flags of `python -m train.qlora`, for the rows committed. 8x: the default run (configs/default.yaml) with
-# another --rope_scaling; 16x: the 16x preset.
+# another --rope_scaling; 16x: the 16x preset with another --rope_scaling.
 RUNS = {
     "8x-linear": ["--rope_scaling", "linear"],
     "8x-dynamic": ["--rope_scaling", "dynamic"],
     "8x-yarn": [],
     "8x-llama3": ["--rope_scaling", "llama3"],
-    "16x-yarn": ["--config", PRESET_16X],
-}
-# Rows not run yet (`--run NAME` runs one; move it to RUNS with its outputs): the 16x preset with the other kinds,
-# then what the preset changed from the default run, one at a time.
-TO_RUN = {
     "16x-linear": ["--config", PRESET_16X, "--rope_scaling", "linear"],
     "16x-dynamic": ["--config", PRESET_16X, "--rope_scaling", "dynamic"],
+    "16x-yarn": ["--config", PRESET_16X],
     "16x-llama3": ["--config", PRESET_16X, "--rope_scaling", "llama3"],
+}
+# Rows not run yet (`--run NAME` runs one; move it to RUNS with its outputs): what the 16x preset changed from the
+# default run, one at a time.
+TO_RUN = {
     "16x-yarn-rows4096": ["--config", PRESET_16X, "--max_seq_len", "4096"],
     "16x-yarn-lr1e-3-300": ["--config", PRESET_16X, "--learning_rate", "1e-3", "--max_steps", "300"],
     "16x-default-recipe": ["--max_seq_len", "4096"],
