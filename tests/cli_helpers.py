@@ -91,32 +91,17 @@ def first_rows_match_the_committed_run(argv: list, out: Path, committed: Path, f
     stop: the rows before it are the uninterrupted run's): its "before" evaluation and its first logged rows equal the
     committed run's in `committed` (eval.json, metrics.jsonl; the same kernels give the same arithmetic, a little
     slack for another CPU model of the same kind). `regenerate` says how, in the failure."""
-    import signal
-    import subprocess
-    import sys
     import time
 
     import pytest
 
-    log_path = out.parent / f"{out.name}.log"
-    log = open(log_path, "w")
-    run = subprocess.Popen([sys.executable, "-m", "train.qlora", *map(str, argv), "--output_dir", str(out)], cwd=REPO,
-                           env=ENV, stdout=log, stderr=subprocess.STDOUT,  # SIGTERM as a shell's child gets it
-                           preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    from bpt.bench.trainer_runs import Run, wait_all
+
+    run = Run("run", [*map(str, argv), "--output_dir", str(out)], out, out.parent / f"{out.name}.log").start(REPO, ENV)
+    wait_all([run], time.monotonic() + 60 * minutes, stop_at={"run": first_steps})
+    assert run.signalled_after is not None and run.signalled_after >= first_steps and run.returncode == 143, \
+        (run.notes, run.log.read_text()[-3000:])
     rows_file = out / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 60 * minutes
-        while not (rows_file.exists() and any(json.loads(line)["step"] >= first_steps
-                                              for line in rows_file.read_text().splitlines() if line.strip())):
-            assert run.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"the run did not reach its first logged rows in {minutes} min"
-            time.sleep(0.5)
-        run.send_signal(signal.SIGTERM)
-        assert run.wait(timeout=300) == 128 + signal.SIGTERM, log_path.read_text()[-3000:]
-    finally:
-        if run.poll() is None:
-            run.kill()
-        log.close()
     assert json.loads((out / "eval.json").read_text())["before"] == \
         json.loads((committed / "eval.json").read_text())["before"]
     rows = {r["step"]: r for r in map(json.loads, rows_file.read_text().splitlines())}

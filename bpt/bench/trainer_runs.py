@@ -61,9 +61,12 @@ class Run:
             self.process.send_signal(signal.SIGTERM)
 
     def lines(self) -> list[str]:
-        """The log's lines, progress bars' carriage returns split off."""
-        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
-        return [part for line in text.splitlines() for part in line.split("\r") if part.strip()]
+        return output_lines(self.log.read_text(errors="replace") if self.log.is_file() else "")
+
+
+def output_lines(text: str) -> list[str]:
+    """A process's output as lines, progress bars' carriage returns split off."""
+    return [part for line in text.splitlines() for part in line.split("\r") if part.strip()]
 
 
 def wait_all(runs: list[Run], deadline: float, *, stop_at: dict[str, int] | None = None) -> None:
@@ -102,5 +105,4 @@ def run_once(argv: list[str], where: Path, env: dict, timeout: float) -> tuple[i
     except subprocess.TimeoutExpired as stop:
         code = None
         text = stop.stderr.decode(errors="replace") if isinstance(stop.stderr, bytes) else (stop.stderr or "")
-    lines = [part for line in text.splitlines() for part in line.split("\r") if part.strip()]
-    return code, lines, round(time.monotonic() - started, 1)
+    return code, output_lines(text), round(time.monotonic() - started, 1)
