@@ -164,6 +164,35 @@ def test_a_worker_exits_0_only_when_its_machines_first_worker_is_leaving_too(tmp
     assert lifecycle._launcher_status(2) == 2  # not torchrun
 
 
+def test_the_first_worker_outwaits_a_slow_peer_only_while_it_says_it_is_leaving(tmp_path, monkeypatch):
+    """Exiting while a peer still runs makes torchrun SIGTERM it and report it (CI: a peer on a busy machine took more
+    than PEER_WAIT_S to go). A peer that has written its error file is waited for until it exits; one that has not
+    (an error of the first's own, the peer stuck elsewhere) only PEER_WAIT_S."""
+    import time
+
+    from train.recipe import lifecycle
+
+    attempt = tmp_path / "run" / "attempt_0"
+    (attempt / "0").mkdir(parents=True)
+    monkeypatch.setattr(lifecycle, "PEER_WAIT_S", 0.2)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "0" / "error.json"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for says_leaving in (False, True):
+        if says_leaving:
+            (attempt / "1").mkdir()
+            (attempt / "1" / "error.json").write_text("{}")
+        peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+        monkeypatch.setattr(lifecycle, "_machine_peers", lambda: [peer.pid])
+        start = time.monotonic()
+        assert lifecycle._launcher_status(2) == 2
+        waited = time.monotonic() - start
+        assert (peer.poll() is not None) == says_leaving, waited
+        assert waited >= 2 if says_leaving else waited < 2
+        peer.kill()
+        peer.wait()
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_launched_worker_leaves_without_the_interpreters_teardown(world):
     """exit_process: under a launcher (WORLD_SIZE > 1) the exit status and every printed line come out, but nothing of

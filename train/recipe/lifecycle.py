@@ -206,6 +206,7 @@ def _tell_launcher(message: str) -> None:
 
 
 PEER_WAIT_S = 5.0  # the longest a launcher's worker on its way out waits for the others of its machine
+LEAVING_PEER_WAIT_S = 60.0  # ... when each of them has said it is leaving too (a busy machine: CI took over 5 s)
 
 
 def _error_file(local_rank: int) -> str | None:
@@ -265,15 +266,27 @@ def _launcher_status(code: int) -> int:
     lines for every worker that exits non-zero, and logs a line for each it has to SIGTERM: so the node's first worker
     (LOCAL_RANK 0) alone exits with `code`, once the others have gone; they exit 0 once its error file shows it is
     leaving too. A worker whose first is not leaving (an error of its own) keeps `code` after PEER_WAIT_S, so torchrun
-    still stops the launch."""
+    still stops the launch. The first waits for the others PEER_WAIT_S, or up to LEAVING_PEER_WAIT_S once each has
+    written its own error file (it is on its way out: left running, torchrun would SIGTERM it and say so)."""
     first = _error_file(0)
     if code == 0 or first is None:
         return code
     peers = _machine_peers()
+
+    def peers_gone() -> bool:
+        return not any(process_alive(pid) for pid in peers)
+
     if os.environ["LOCAL_RANK"] != "0":  # (no peer left running: the first died without a word)
-        _wait_until(lambda: os.path.exists(first) or not any(process_alive(pid) for pid in peers), PEER_WAIT_S)
+        _wait_until(lambda: os.path.exists(first) or peers_gone(), PEER_WAIT_S)
         return 0 if os.path.exists(first) else code
-    _wait_until(lambda: not any(process_alive(pid) for pid in peers), PEER_WAIT_S)
+    others = range(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    start = time.monotonic()
+
+    def waited_enough() -> bool:
+        leaving = all(os.path.exists(_error_file(rank)) for rank in others)
+        return time.monotonic() - start > PEER_WAIT_S and not leaving
+
+    _wait_until(lambda: peers_gone() or waited_enough(), LEAVING_PEER_WAIT_S)
     return code
 
 
