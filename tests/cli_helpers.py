@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -11,6 +13,19 @@ REPO = Path(__file__).resolve().parent.parent
 # (a 64-token step measured 0.1 s with one thread, 0.5-12 s with two).
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
        "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+CPU_DDP = REPO / "configs/accelerate/cpu_ddp.yaml"
+
+
+def accelerate_launch(processes: int, config: Path = CPU_DDP) -> list[str]:
+    """`accelerate launch` of `processes` CPU processes, on a port free now: two pytest workers launching at once
+    would both take torchrun's default 29500 (EADDRINUSE; CI saw it under ZeRO-3)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+            str(processes), "--main_process_port", str(port)]
 
 
 def save_tiny_llama(directory: Path, **overrides) -> None:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from cli_helpers import ENV, REPO, base_argv
+from cli_helpers import ENV, REPO, accelerate_launch, base_argv
 from train.recipe.args import parse_args
 from train.run.command import main
 from train.run.qlora import run
@@ -104,8 +104,7 @@ def test_bitsandbytes_kernels_noise_is_silenced(tiny, tmp_path):
 # ---------------------------------------------------------------- accelerate launch
 
 def _launch(argv) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "2", "-m", "train.qlora", *map(str, argv)]
+    cmd = [*accelerate_launch(2), "-m", "train.qlora", *map(str, argv)]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
 
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 
 import pytest
 
-from cli_helpers import ENV, REPO
-from gloo_processes import free_port
+from cli_helpers import ENV, REPO, accelerate_launch
 from train.evaluation.eval import main
 from train.recipe.args import TINY_LLAMA_DIR
 
@@ -59,9 +57,7 @@ LAYOUTS = {  # name: (flags, what the main process says about the layout: train.
 def test_two_processes_in_a_training_layout_equal_one_process(tmp_path, one_process, layout):
     data, one = one_process
     flags, said = LAYOUTS[layout]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "2", "--main_process_port",
-           str(free_port()), "-m", "train.eval", *_argv(data, tmp_path / "two.json", *flags)]
+    cmd = [*accelerate_launch(2), "-m", "train.eval", *_argv(data, tmp_path / "two.json", *flags)]
     done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     assert said in done.stderr

@@ -9,12 +9,11 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from cli_helpers import ENV, REPO, base_argv, error_line, metrics
+from cli_helpers import ENV, REPO, accelerate_launch, base_argv, error_line, metrics
 from train.recipe import checkpoint
 from train.run import loop
 from train.run.command import main
@@ -161,12 +160,10 @@ def test_save_minutes_checkpoints_by_wall_time(tiny, tmp_path, capsys):
 def test_a_killed_process_stops_the_others_with_one_line_and_resumes_exactly(tiny, tmp_path):
     """--sequence_parallel 2 on 2 CPU processes; rank 0 (the main process) is killed with SIGKILL in step 4, after
     checkpoint-2: rank 1 says so and stops; the printed command resumes to the uninterrupted run."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "2"]
     flags = [*map(str, FLAGS[:6]), "--lora_dropout", "0", "--sequence_parallel", "2"]
 
     def run(*argv) -> subprocess.CompletedProcess:
-        return subprocess.run([*launch, *map(str, argv)], cwd=REPO, env=ENV, capture_output=True, text=True,
+        return subprocess.run([*accelerate_launch(2), *map(str, argv)], cwd=REPO, env=ENV, capture_output=True, text=True,
                               timeout=300)
 
     whole = tmp_path / "whole"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_helpers import ENV, REPO, base_argv, error_line, losses, metrics
+from cli_helpers import ENV, REPO, accelerate_launch, base_argv, error_line, losses, metrics
 from train.recipe.args import parse_args
 from train.run import loop
 from train.run.command import main
@@ -202,8 +202,7 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(tiny, tmp
     one = tmp_path / "one"
     run(parse_args(base_argv(tiny, one, "--max_steps", 2, "--per_device_train_batch_size", 2, "--lora_dropout", 0)))
     two = tmp_path / "two"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "2", "-m", "train.qlora",
+    cmd = [*accelerate_launch(2), "-m", "train.qlora",
            *base_argv(tiny, two, "--max_steps", 2, "--per_device_train_batch_size", 1, "--lora_dropout", 0,
                       "--save_steps", 2)]
     done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)

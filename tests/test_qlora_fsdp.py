@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from cli_helpers import ENV, REPO, base_argv, losses, save_prequantized
+from cli_helpers import ENV, REPO, accelerate_launch, base_argv, losses, save_prequantized
 from train.recipe.args import parse_args
 from train.run.command import main
 from train.run.qlora import run
@@ -24,8 +23,7 @@ def _launch(tiny, out, *extra, crash_after: int | None = None) -> subprocess.Com
     """train.qlora --fsdp on 2 processes; crash_after=N: every process exits 3 once checkpoint-N is written."""
     program = (["-m", "train.qlora"] if crash_after is None
                else [str(REPO / "tests/qlora_crash_after.py"), str(crash_after)])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "2", *program,
+    cmd = [*accelerate_launch(2), *program,
            *base_argv(tiny, out, *COMMON, "--fsdp", *extra)]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
 

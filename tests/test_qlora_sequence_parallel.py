@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from cli_helpers import ENV, REPO, base_argv, losses, metrics
+from cli_helpers import ENV, REPO, accelerate_launch, base_argv, losses, metrics
 from train.recipe.args import parse_args
 from train.run.command import main
 from train.run.qlora import run
@@ -20,8 +19,7 @@ COMMON = ("--max_steps", 2, "--per_device_train_batch_size", 2, "--lora_dropout"
 
 
 def _launch(tiny, out, *extra, processes: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", str(processes), "-m", "train.qlora",
+    cmd = [*accelerate_launch(processes), "-m", "train.qlora",
            *base_argv(tiny, out, *COMMON, "--save_steps", 2, *extra)]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
 

@@ -5,12 +5,11 @@ parallelism and FSDP2 (each slice sharded over the ranks holding it); bad layout
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from cli_helpers import ENV, REPO, base_argv, losses, metrics, save_tiny_llama
+from cli_helpers import ENV, REPO, accelerate_launch, base_argv, losses, metrics, save_tiny_llama
 from qlora_storage import stored_bytes
 from train.recipe.args import parse_args
 from train.run.command import main
@@ -37,8 +36,7 @@ def _argv(tiny, wide, out, *extra) -> list[str]:
 
 
 def _launch(argv, processes: int, program=("-m", "train.qlora")) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", str(processes), *program, *argv]
+    cmd = [*accelerate_launch(processes), *program, *argv]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
 
 

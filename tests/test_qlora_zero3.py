@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("deepspeed")
 
-from cli_helpers import ENV, REPO, base_argv, metrics, save_prequantized  # noqa: E402
+from cli_helpers import ENV, REPO, accelerate_launch, base_argv, metrics, save_prequantized  # noqa: E402
 from train.recipe.args import parse_args  # noqa: E402
 from train.run.command import main
 from train.run.qlora import run  # noqa: E402
@@ -36,8 +35,7 @@ def _launch(tiny, out, *extra, config=CONFIG, crash_after: int | None = None,
     once checkpoint-N is written."""
     program = (["-m", "train.qlora"] if crash_after is None
                else [str(REPO / "tests/qlora_crash_after.py"), str(crash_after)])
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-           "--num_processes", str(processes), *program, *base_argv(tiny, out, *COMMON, *extra)]
+    cmd = [*accelerate_launch(processes, config), *program, *base_argv(tiny, out, *COMMON, *extra)]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=400)
 
 
