@@ -20,13 +20,15 @@ from bpt.bench.cli import main
 
 ROOT = gpu_check.ROOT
 DRY_RUN_BUDGET = 1800
+# One worker runs this module under the README's `--dist loadgroup`: the dry run is made once, where its tests run (a
+# second worker reading it would wait ~4 minutes on the lock below, idle).
+pytestmark = pytest.mark.xdist_group("gpu_check_dry_run")
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """The dry run, once per session: under pytest-xdist the workers that run this module's tests share it (a file
-    lock in the session's folder; the second waits for the first's report instead of running its own, ~7 minutes on
-    a busy 2-core machine)."""
+    """The dry run, once per session: workers that run this module's tests share it (a file lock in the session's
+    folder, for runs without the group above: a second waits for the first's report instead of running its own)."""
     from filelock import FileLock
 
     base = tmp_path_factory.getbasetemp()
