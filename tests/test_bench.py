@@ -28,6 +28,11 @@ SMALL_BLOCKS = ["--q_block", "64", "--kv_block", "64", "--mlp_chunk", "64", "--l
 SIDES = ["stock", "patched"]
 
 
+# One worker runs this module under `--dist loadgroup`: its module fixtures (a bench sweep, ~1 minute each) are made
+# once, not once per worker.
+pytestmark = pytest.mark.xdist_group("bench_report")
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     """One sweep over the tiny preset, both sides, shared by the tests."""

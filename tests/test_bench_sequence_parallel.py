@@ -21,6 +21,11 @@ MODES = ["ring", "ulysses"]
 SMALL_BLOCKS = ["--q_block", "64", "--kv_block", "64", "--mlp_chunk", "64", "--loss_chunk", "64"]
 
 
+# One worker runs this module under `--dist loadgroup`: its module fixtures (a bench sweep, ~1 minute each) are made
+# once, not once per worker.
+pytestmark = pytest.mark.xdist_group("bench_sp_report")
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     """One sequence-parallel sweep over the tiny preset with LoRA, shared by the tests (the memory probe, the
