@@ -413,6 +413,58 @@ def many_gpus_block() -> str:
     return table(["GPUs", "tokens", "tokens per GPU", "device peak per GPU", "host memory per GPU", ""], rows)
 
 
+# Llama-3.1-8B QLoRA + offload on simulated h100s: one bench run per layout with a --find_max (each its own
+# bisection), and two machines of eight at 1M tokens.
+MANY_GPUS_SPEED = [f"llama-3.1-8b-qlora-offload-{layout}-speed-h100"
+                   for layout in ("sp1", "sp8-ring", "sp8-ulysses", "sp16")]
+
+
+def many_gpus_speed_block() -> str:
+    """Llama-3.1-8B QLoRA with offload predicted on one h100, one machine of eight and two (sequence parallel, ring
+    and Ulysses) at 1M tokens and at a layout's longest where it was searched: the clock's step with the exchange in
+    it (`llama-3.1-8b-qlora-offload-<layout>-speed-h100`)."""
+    rows = []
+    for name in MANY_GPUS_SPEED:
+        report = bench(name)
+        longest = {(f["sequence_parallel"], f["sp_mode"]): f["max_context_tokens"]
+                   for f in report.get("find_max", {}).values()}
+        runs = sorted((r for r in report["runs"] if r["ok"]), key=lambda r: (r["sp_mode"] or "", r["seq_len"]))
+        for r in runs:
+            n, most = r["seq_len"], longest.get((r["sequence_parallel"], r["sp_mode"]))
+            if not (r["phase"] == "sweep" and round_length(n) or n == most):
+                continue
+            x = r.get("exchange")
+            gpus = (f"{x['machines']} x {x['gpus_per_machine']}" if x["machines"] > 1 else f"{x['gpus_per_machine']}"
+                    ) if x else "1"
+            exchange = (f"{x['exchange_seconds']:.1f} s, exposed {x['exposed_exchange_seconds']:.2f} s "
+                        f"({x['exposed_exchange_seconds'] / r['step_seconds']:.1%})" if x else "none")
+            rows.append([f"{gpus} ({r['sp_mode'] or 'one GPU'})", f"longest: {n:,}" if n == most else f"{n:,}",
+                         f"{r['step_seconds']:,.1f}", f"{r['tokens_per_second']:,.0f}", exchange,
+                         f"{gib(r['peak_bytes'])} GiB", f"{gib(r['host_peak_bytes'])} GiB"])
+    return table(["GPUs", "tokens", "s/step", "tok/s per GPU", "exchange per step (exposed)", "device peak per GPU",
+                  "host per GPU"], rows)
+
+
+def stated_many_gpus_speed() -> list[str]:
+    runs = {(r["sequence_parallel"] or 1, r["sp_mode"], r["seq_len"]): r
+            for name in MANY_GPUS_SPEED for r in bench(name)["runs"] if r["ok"]}
+    one, ring, ulysses = (runs[n, mode, 1 << 20] for n, mode in ((1, None), (8, "ring"), (8, "ulysses")))
+    ring16, ulysses16 = runs[16, "ring", 1 << 20], runs[16, "ulysses", 1 << 20]
+    x16 = ulysses16["exchange"]
+    return [f"eight GPUs take {ring['step_seconds']:.1f} s (ring) and {ulysses['step_seconds']:.1f} s (Ulysses) per "
+            f"step", f"{ring['exchange']['exposed_exchange_seconds']:.2f} s and "
+            f"{ulysses['exchange']['exposed_exchange_seconds']:.2f} s exposed per step",
+            f"Attention is {ring['time_breakdown']['attention']:.0f} s of the ring step",
+            f"({ring['tokens_per_second']:.0f} against {one['tokens_per_second']:.0f} tok/s)",
+            f"({gib(one['attention_once']['bytes'], 0)} GiB at this length)",
+            f"keeps its share ({gib(ring['attention_once']['bytes'], 1)} GiB,",
+            f"halve the step ({ring16['step_seconds']:.1f} s ring, {ulysses16['step_seconds']:.1f} s Ulysses)",
+            f"Ring's {ring16['exchange']['exchange_seconds']:.1f} s of exchange still hides",
+            f"its {x16['exposed_exchange_seconds']:.1f} s are exposed "
+            f"({x16['exposed_exchange_seconds'] / ulysses16['step_seconds']:.1%} of the step)",
+            f"nearest: 345 tok/s per GPU against the {ring['tokens_per_second']:.0f} predicted here"]
+
+
 def speed_block() -> str:
     """The clock's predicted step of Llama-3.1-8B QLoRA on h100-80gb by length and side (the README's speed table),
     and last the longest that fits with offload (its --find_max run), where the others' longest are far shorter."""
@@ -442,7 +494,7 @@ def stated() -> list[str]:
     aside): tests/test_readme_figures.py asserts the README or a docs/ page has every one. The sentences stay the
     pages': a figure that changes is fixed there by hand, as the failing test prints it."""
     return (stated_cpu() + stated_simulated() + stated_gpu() + stated_gpu_context() + stated_sequence_parallel()
-            + stated_clock() + stated_stride())
+            + stated_clock() + stated_stride() + stated_many_gpus_speed())
 
 
 def stated_clock() -> list[str]:
@@ -464,7 +516,8 @@ def stated_clock() -> list[str]:
 BLOCKS = {"default-run": default_run_block, "plan": plan_block, "bench-cpu": cpu_block, "bench-qlora": qlora_block,
           "bench-gpu-memory": gpu_memory_block, "bench-gpu-speed": gpu_speed_block,
           "bench-sequence-parallel": sequence_parallel_block, "bench-sequence-parallel-tp": sequence_parallel_tp_block,
-          "bench-clock": clock_block, "bench-speed": speed_block, "bench-many-gpus": many_gpus_block}
+          "bench-clock": clock_block, "bench-speed": speed_block, "bench-many-gpus": many_gpus_block,
+          "bench-many-gpus-speed": many_gpus_speed_block}
 
 
 def readme_block(text: str, name: str) -> str:
