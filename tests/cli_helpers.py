@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -21,11 +20,10 @@ CPU_DDP = REPO / "configs/accelerate/cpu_ddp.yaml"
 def accelerate_launch(processes: int, config: Path = CPU_DDP) -> list[str]:
     """`accelerate launch` of `processes` CPU processes, on a port free now: two pytest workers launching at once
     would both take torchrun's default 29500 (EADDRINUSE; CI saw it under ZeRO-3)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from gloo_processes import free_port
+
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-            str(processes), "--main_process_port", str(port)]
+            str(processes), "--main_process_port", str(free_port())]
 
 
 def save_tiny_llama(directory: Path, **overrides) -> None:
