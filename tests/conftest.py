@@ -20,22 +20,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-# Modules whose tests start several processes (gloo groups, accelerate / torchrun launches, signals sent on a
-# timer): they run one after another on one worker, so no two launches race for a port or for both cores.
-PROCESS_MODULES = {
-    "test_bench_sequence_parallel", "test_cli_errors", "test_cli_signals", "test_eval_split", "test_qlora_cli",
-    "test_qlora_fsdp", "test_qlora_sequence_parallel", "test_qlora_tensor_parallel", "test_qlora_zero3",
-    "test_nothing_lost", "test_ring_attention", "test_sequence_parallel_model", "test_split_eval", "test_tensor_parallel_model",
-    "test_trainer_sequence_parallel", "test_ulysses_attention", "test_memory_preflight",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.module.__name__ in PROCESS_MODULES:
-            item.add_marker(pytest.mark.xdist_group("processes"))
-
-
 @pytest.fixture(autouse=True)
 def signal_handlers_restored():
     """SIGINT / SIGTERM as they were before each test. train.qlora's main() run in-process as one rank of a launch
