@@ -283,8 +283,8 @@ def _launcher_status(code: int) -> int:
     start = time.monotonic()
 
     def waited_enough() -> bool:
-        leaving = all(os.path.exists(_error_file(rank)) for rank in others)
-        return time.monotonic() - start > PEER_WAIT_S and not leaving
+        return (time.monotonic() - start > PEER_WAIT_S
+                and not all(os.path.exists(_error_file(rank)) for rank in others))
 
     _wait_until(lambda: peers_gone() or waited_enough(), LEAVING_PEER_WAIT_S)
     return code
