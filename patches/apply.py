@@ -14,9 +14,16 @@ Lifecycle rules (what a notebook that re-runs cells needs):
 - `remove()` undoes exactly what its handle recorded, in reverse order, and is idempotent. Removing
   the loaders' handle restores `PreTrainedModel.from_pretrained` / `_from_config` to the original
   objects and unpatches the models they patched; models loaded afterwards are stock.
+- `copy.deepcopy` of a patched model (TRL's reference model, an EMA copy), or of a peft wrapper around one, is
+  a model patched with the same options under a handle of its own, running its own modules. The patch's forwards
+  are closures over the modules they were made for, so the copy is made of the stock model and both are patched
+  again. The hook is a copyreg reducer of the model's class (not `__deepcopy__`, which peft's attribute
+  forwarding would hand to the wrapper's copy).
 """
 from __future__ import annotations
 
+import copy
+import copyreg
 import weakref
 
 import torch
@@ -233,7 +240,42 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
         handle.set(hf_model, "forward", offloading_forward(hf_model, hf_model.forward, text_config.hidden_size))
     if config.checkpoint_stride > 1:
         handle.set(hf_model, "forward", strided_forward(hf_model, hf_model.forward, config.checkpoint_stride))
+    if type(hf_model) not in copyreg.dispatch_table:  # once per class; another library's reducer is left alone
+        copyreg.pickle(type(hf_model), _reduce_patched)
     handle.set(hf_model, _HANDLE_ATTR, handle)  # last: is_patched is True only for a complete patch
+
+
+def _reduce_patched(model):
+    """copy.deepcopy's (and pickle's) reducer of a patched model's class: a patched model is rebuilt as the patched
+    stock copy (_StockCopy); any other instance reduces as without this reducer."""
+    handle = vars(model).get(_HANDLE_ATTR)
+    if handle is None:
+        return model.__reduce_ex__(4)
+    return _patched_again, (_StockCopy(model), handle.options)
+
+
+class _StockCopy:
+    """Deep-copied, the stock copy of a patched model: the patch is removed for the copy and applied again after."""
+
+    def __init__(self, hf_model):
+        self.hf_model = hf_model
+
+    def __deepcopy__(self, memo):
+        handle = vars(self.hf_model)[_HANDLE_ATTR]
+        handle.remove()
+        try:
+            return copy.deepcopy(self.hf_model, memo)
+        finally:
+            _patch_atomically(self.hf_model, family_of(self.hf_model.config), handle)
+
+    def __reduce__(self):
+        raise TypeError("a model patched by apply_bpt_patch cannot be pickled: save it with save_pretrained, or "
+                        "remove the patch (handle.remove()) before pickling and apply it again after loading")
+
+
+def _patched_again(stock_copy, options: BPTConfig):
+    _patch_atomically(stock_copy, family_of(stock_copy.config), BPTPatchHandle(options))
+    return stock_copy
 
 
 def _chunked_projection_forward(module, original, config: BPTConfig, attention_input: AttentionInput | None = None):

@@ -156,3 +156,79 @@ def test_failed_repatch_keeps_the_previous_patch(monkeypatch):
     torch.testing.assert_close(logits(model), expected, rtol=1e-5, atol=1e-5)
     handle.remove()
     assert torch.equal(logits(model), expected)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "peft", "peft_after_the_patch", "offload"])
+def test_a_deep_copy_is_patched_and_runs_its_own_modules(wrap):
+    """copy.deepcopy of a patched model (TRL's create_reference_model, an EMA copy), or of peft's wrapper around it
+    (patched through it, or patched first as a TRL trainer given a peft_config wraps it): the copy is the same kind of
+    object, patched with the same options under a handle of its own; its forward runs its own parameters (gradients
+    land on it; changing its weights changes its loss, not the original's); the original keeps its handle and its
+    results."""
+    import copy
+
+    from test_patches import loss_and_grads, lora
+
+    options = {**SMALL_BLOCKS, "offload_checkpoints": wrap == "offload"}
+    stock = tiny_model("llama")
+    model = copy.deepcopy(stock)
+    if wrap == "peft_after_the_patch":
+        handle = apply_bpt_patch(model, **options)
+        stock, model = lora(stock), lora(model)
+    else:
+        if wrap == "peft":
+            stock, model = lora(stock), lora(model)
+        if wrap == "offload":
+            for side in (stock, model):
+                side.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        handle = apply_bpt_patch(model, **options)
+    inputs = make_batch("packed")
+    expected = loss_and_grads(stock, inputs)
+    copied = copy.deepcopy(model)
+    assert type(copied) is type(model)
+    assert is_patched(copied) and is_patched(model) and apply_module.unwrap(model)._bpt_patch_handle is handle
+    copy_handle = apply_module.unwrap(copied)._bpt_patch_handle
+    assert copy_handle is not handle and copy_handle.options == handle.options == BPTConfig(**options)
+    for patched in (copied, model):
+        loss, grads = loss_and_grads(patched, inputs)
+        torch.testing.assert_close(loss, expected[0], rtol=1e-5, atol=1e-6)
+        assert grads.keys() == expected[1].keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[1][name], rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            parameter.zero_()
+    assert loss_and_grads(copied, inputs)[0] != expected[0]
+    torch.testing.assert_close(loss_and_grads(model, inputs)[0], expected[0], rtol=1e-5, atol=1e-6)
+    copy_handle.remove()
+    assert not is_patched(copied) and is_patched(model) and handle.active
+
+
+def test_pickling_a_patched_model_says_what_to_do():
+    import pickle
+
+    model = tiny_model("llama")
+    handle = apply_bpt_patch(model, **SMALL_BLOCKS)
+    with pytest.raises(TypeError, match="cannot be pickled: save it with save_pretrained"):
+        pickle.dumps(model)
+    assert is_patched(model)
+    handle.remove()
+    assert not is_patched(pickle.loads(pickle.dumps(model)))
+
+
+def test_trl_reference_model_of_a_patched_model_is_its_own():
+    """TRL's create_reference_model (a deep copy, frozen, in eval mode) of a patched model: patched, and its loss
+    stays the policy's starting loss while the policy trains."""
+    utils = pytest.importorskip("trl.experimental.utils")
+    from test_patches import loss_and_grads
+
+    policy = tiny_model("llama")
+    apply_bpt_patch(policy, **SMALL_BLOCKS)
+    inputs = make_batch("right_padded")
+    start = loss_and_grads(policy, inputs)[0]
+    reference = utils.create_reference_model(policy)
+    assert is_patched(reference)
+    torch.optim.SGD(policy.parameters(), lr=1.0).step()  # the gradients of the loss above
+    with torch.no_grad():
+        assert reference(**inputs).loss == start
+        assert policy(**inputs).loss < start
