@@ -8,7 +8,8 @@ built per block from O(N) inputs, and blocks that the masks fully exclude are sk
 The block plan and the per-block math are `bpt.engine`'s (shared with ring attention); this module holds the
 public API, input validation, the fused-kernel dispatch and the single-device autograd Function.
 Cases torch's fused F.scaled_dot_product_attention handles without a mask go there instead (see
-`_sdpa_handles` for the rule and the measurements behind it).
+`_sdpa_handles` for the rule and the measurements behind it), and so does a decoded token (one query, no gradient)
+with padding or a window, with its one row of mask (`_one_query_handles`).
 
 Semantics shared by every path:
 - Queries are aligned to the END of the keys: query i sits at key position p = Nk - Nq + i (KV-cache
@@ -119,6 +120,9 @@ def blockwise_attention(
     if not needs_blockwise and _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window,
                                              alibi_slopes, softcap):
         return _sdpa(q, k, v, scale, causal, dropout, head_groups)
+    if not needs_blockwise and _one_query_handles(q, k, v, padding_mask, segment_ids, alibi_slopes, softcap, dropout,
+                                                  empty_rows):
+        return _one_query_sdpa(q, k, v, scale, padding_mask, sliding_window)
     if not needs_blockwise and _varlen_handles(q, k, v, causal, padding_mask, segment_ids, sliding_window,
                                                alibi_slopes, softcap, dropout):
         layout = documents(segment_ids, q.shape[0], q.shape[2], q.device)
@@ -275,6 +279,33 @@ def _sdpa_handles(q, k, v, causal, padding_mask, segment_ids, window, slopes, so
     if q.is_cuda:
         return _cuda_fused_kernel_applies(q, k, v, causal and nq > 1, gqa)
     return False  # other backends: not measured
+
+
+def _one_query_handles(q, k, v, padding_mask, segment_ids, slopes, softcap, dropout, empty_rows) -> bool:
+    """One query per row and no gradient (decoding with padding and / or a window): its scores are one row of Nk,
+    so SDPA with an explicit boolean mask computes it in O(N), with no loop over key blocks. Under torch.compile
+    such a loop specialises on the number of keys, which a static cache's decoding grows by one per token: a graph
+    per decoded token (measured: 8 graphs for 12 left-padded tokens, where stock makes 2)."""
+    if q.shape[2] != 1 or segment_ids is not None or slopes is not None or softcap is not None or dropout:
+        return False
+    if empty_rows != "zeros" or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return v.shape[-1] == q.shape[-1] and (q.shape[1] == k.shape[1] or _SDPA_HAS_GQA)
+
+
+def _one_query_sdpa(q, k, v, scale, padding_mask, window):
+    """The single query sits at position Nk - 1 (the end of the keys): every key is causally visible, the window
+    keeps the last `window`, padding drops its own; a row with no visible key is zeros (empty_rows "zeros")."""
+    nk = k.shape[2]
+    visible = torch.ones(q.shape[0], nk, dtype=torch.bool, device=q.device)
+    if window is not None:
+        visible = visible & (torch.arange(nk, device=q.device) > nk - 1 - window)
+    if padding_mask is not None:
+        visible = visible & (padding_mask != 0)
+    mask = visible[:, None, None, :]
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)
+    return torch.where(mask.any(-1, keepdim=True), out, out.new_zeros(()))
 
 
 def _varlen_handles(q, k, v, causal, padding_mask, segment_ids, window, slopes, softcap, dropout) -> bool:

@@ -310,6 +310,33 @@ def test_fused_path_declines_what_it_cannot_do(monkeypatch):
         assert not handles(q16, k16, v16, True, *extra)
 
 
+@pytest.mark.parametrize("hkv", [1, 4])
+def test_one_decoded_query_runs_sdpa_with_its_mask(monkeypatch, hkv):
+    """One query per row without gradients (a decoded token) over left padding and / or a window: SDPA with an explicit
+    mask (no loop over key blocks, whose count a compiled decode would specialise on), against the float64
+    reference; a row with no visible key is zeros. Declined with gradients, segments, ALiBi, softcap, dropout or
+    another empty-rows rule."""
+    monkeypatch.undo()
+    taken, one_query = [], attention._one_query_sdpa
+    monkeypatch.setattr(attention, "_one_query_sdpa", lambda *args: taken.append(1) or one_query(*args))
+    q, k, v = (t.detach() for t in make_qkv(b=3, hq=4, hkv=hkv, nq=1, nk=97))
+    mask = lengths_mask([97, 40, 0], 97, left=True)  # the last row fully padded
+    for options in ({"padding_mask": mask}, {"sliding_window": 20}, {"padding_mask": mask, "sliding_window": 20}):
+        out = blockwise_attention(q, k, v, q_block=16, kv_block=32, **options)
+        ref, rows = reference(q, k, v, **options)
+        assert_close(out[rows], ref[rows], what=str(options))
+        assert torch.equal(out[~rows], torch.zeros_like(out[~rows]))
+    assert len(taken) == 3
+    handles = attention._one_query_handles
+    assert handles(q, k, v, mask, None, None, None, 0.0, "zeros")
+    assert not handles(*make_qkv(b=3, nq=1, nk=97), mask, None, None, None, 0.0, "zeros")  # gradients
+    assert not handles(*make_qkv(b=3, nq=2, nk=97), mask, None, None, None, 0.0, "zeros")
+    segments = torch.zeros(3, 97, dtype=torch.long)
+    for extra in [(segments, None, None, 0.0, "zeros"), (None, torch.ones(4), None, 0.0, "zeros"),
+                  (None, None, 30.0, 0.0, "zeros"), (None, None, None, 0.1, "zeros"), (None, None, None, 0.0, "uniform")]:
+        assert not handles(q, k, v, mask, *extra)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Memory structure: nothing of N x N per head is saved or ever created
 # ---------------------------------------------------------------------------------------------------
