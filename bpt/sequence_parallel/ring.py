@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from bpt.attention import autocast_inputs, validate_inputs
+from bpt.attention_inputs import autocast_inputs, validate_inputs
 from bpt.engine import (AttentionSpec, SinkGrad, Workspace, autocast_off, backward_rows, backward_step,
                         block_mask_args, check_empty_rows, empty_rows_backward_step, empty_rows_of, fill_empty_rows,
                         finish_rows, forward_step, make_plan, scaled_query_rows, sink_rows, start_rows)

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from bpt.attention import autocast_inputs, blockwise_attention
+from bpt.attention import blockwise_attention
+from bpt.attention_inputs import autocast_inputs
 from bpt.sequence_parallel import traffic
 
 __all__ = ["ulysses_attention", "sequence_shard", "sequence_unshard", "sequence_positions", "gather_sequence",
