@@ -333,7 +333,8 @@ def test_one_decoded_query_runs_sdpa_with_its_mask(monkeypatch, hkv):
     assert not handles(*make_qkv(b=3, nq=2, nk=97), mask, None, None, None, 0.0, "zeros")
     segments = torch.zeros(3, 97, dtype=torch.long)
     for extra in [(segments, None, None, 0.0, "zeros"), (None, torch.ones(4), None, 0.0, "zeros"),
-                  (None, None, 30.0, 0.0, "zeros"), (None, None, None, 0.1, "zeros"), (None, None, None, 0.0, "uniform")]:
+                  (None, None, 30.0, 0.0, "zeros"), (None, None, None, 0.1, "zeros"),
+                  (None, None, None, 0.0, "uniform")]:
         assert not handles(q, k, v, mask, *extra)
 
 

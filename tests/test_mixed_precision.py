@@ -100,7 +100,7 @@ def _sides(name: str, modes, checkpointing: str | None, device: str, overrides: 
     sides = {}
     for mode in modes:
         stock, patched = copy.deepcopy(reference), copy.deepcopy(reference)
-        apply_bpt_patch(patched, **SMALL_BLOCKS)  # a copy of a patched model would call the original's modules
+        apply_bpt_patch(patched, **SMALL_BLOCKS)
         if mode == "bf16_weights":
             stock.bfloat16(), patched.bfloat16()
         if checkpointing:
@@ -130,7 +130,8 @@ def errors_by_mode(name: str, kind: str, modes, checkpointing: str | None = None
             for side, model in (("stock", stock), ("patched", patched)):
                 token_losses, grads = _run(model, inputs, mode, device)
                 errors = squared[mode][side]
-                errors["token_loss"] = errors.get("token_loss", 0.0) + (token_losses - ref_token_losses).pow(2).sum().item()
+                token_error = (token_losses - ref_token_losses).pow(2).sum().item()
+                errors["token_loss"] = errors.get("token_loss", 0.0) + token_error
                 assert grads.keys() == ref_grads.keys()
                 for param, ref in ref_grads.items():
                     errors[param] = errors.get(param, 0.0) + (grads[param].float() - ref).pow(2).sum().item()
