@@ -169,7 +169,7 @@ def test_cuda_tier_keeps_each_failure_with_its_text(tmp_path):
 
 def test_only_the_parts_asked_for_run(tmp_path):
     """--gpu_check_parts: the environment, then the parts named, none other started (no cell, no simulation); the
-    time each keeps for the later parts counts only those that run (all six: 640 s after the clock)."""
+    time each keeps for the later parts counts only those that run (all seven: 760 s after the clock)."""
     from types import SimpleNamespace
 
     asked = []
@@ -184,9 +184,45 @@ def test_only_the_parts_asked_for_run(tmp_path):
 
     def reserve(part, parts):
         return gpu_check.Check.reserve_after(SimpleNamespace(args=SimpleNamespace(gpu_check_parts=parts)), part)
-    assert reserve("clock", gpu_check.PARTS) == 640 and reserve("cuda_tier", gpu_check.PARTS) == 290
-    assert reserve("speed", ["speed", "max_context"]) == 50 and reserve("max_context", gpu_check.PARTS) == 245
+    assert reserve("clock", gpu_check.PARTS) == 760 and reserve("cuda_tier", gpu_check.PARTS) == 410
+    assert reserve("speed", ["speed", "max_context"]) == 50 and reserve("max_context", gpu_check.PARTS) == 365
     assert reserve("trainer", gpu_check.PARTS) == 5 and report["time_budget_s"] == gpu_check.BUDGET_SECONDS
+
+
+def test_the_decode_part_runs_when_named_and_says_why_not_on_a_simulated_card(tmp_path):
+    from bpt.bench.decode_check import NOT_ON_A_SIMULATED_CARD, SIDES
+
+    asked = []
+
+    def runner(spec, timeout=None):
+        asked.append(spec["task"])
+        return {"ok": True, "gpu": "simulated h100-80gb", "memory_bytes": 80 << 30, "versions": {}}
+    main(["--gpu_check", "--simulate", "h100-80gb", "--output", str(tmp_path), "--gpu_check_parts", "decode"],
+         runner=runner)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["parts_done"] == ["environment", "decode"] and asked == ["environment"]
+    assert [(row["side"], row["ok"], row["error"]) for row in report["decode"]] == \
+        [(side, False, NOT_ON_A_SIMULATED_CARD) for side in SIDES]
+    assert f"  patched         {NOT_ON_A_SIMULATED_CARD}" in (tmp_path / "gpu_check.txt").read_text()
+    assert "decode" not in gpu_check.DEFAULT_PARTS
+
+
+def test_the_decode_worker_times_a_second_generate_call_on_the_cpu():
+    """The decode part's worker (bpt.bench.decode_check.run_decode) in a process of its own on the CPU, the tiny
+    llama, eager (tests/test_generation.py counts the compiled graphs): both sides decode the same tokens, the second
+    call is timed, nothing is compiled."""
+    from bpt.bench.decode_check import SIDES
+    from bpt.bench.workers import run_worker
+    from tiny_models import tiny_config
+
+    spec = {"task": "decode", "model_config": tiny_config("llama").to_dict(), "device": "cpu", "dtype": "fp32",
+            "prompt_tokens": 20, "new_tokens": 6, "compile": False, "seed": 0, "malloc": "default"}
+    rows = {side: run_worker({**spec, "side": side}, timeout=300) for side in SIDES}
+    assert all(row["ok"] for row in rows.values()), rows
+    assert rows["stock"]["last_tokens"] == rows["patched"]["last_tokens"]
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["seconds"] > 0 and row["new_tokens"] == 6
+        assert row["graphs_first_call"] == row["graphs_second_call"] == 0
 
 
 def test_a_length_not_run_is_not_reported_as_over_the_card(tmp_path):

@@ -18,7 +18,10 @@ its time limit keeps what finished:
   e. the longest context that fits this card, patched and patched+offload: doubling from 64K, each length stepped
      at 2 and 3 layers and extended to the depth (as --simulate --layers), bounded by the time left; beside it the
      simulation's --find_max on the same card;
-  f. trainer: `python -m train.qlora` itself on the card, end to end (bpt.bench.trainer_check): the bundled tiny llama
+  f. decode: generate() with a static cache under torch.compile, stock and patched, on the same model (bf16, a
+     4,096-token prompt, 128 new tokens): tokens per second of the second call and the graphs each call compiled
+     (bpt.bench.decode_check); run when named (--gpu_check_parts decode);
+  g. trainer: `python -m train.qlora` itself on the card, end to end (bpt.bench.trainer_check): the bundled tiny llama
      extended 64x to 16,384 tokens, passkey before and after, a SIGTERM and --resume_from_checkpoint latest against an
      uninterrupted run, --merge, the preflight's line and its one-line refusal of an absurd length; ~4 minutes, run
      when named (--gpu_check_parts trainer: the default parts take a lent card's command as it is).
@@ -41,6 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bpt.bench.cuda_tier import run_cuda_tier
+from bpt.bench.decode_check import part_decode
 from bpt.bench.gpu_check_table import format_table
 from bpt.bench.models import PEER, resolve_model_config
 from bpt.bench.simulate import longest_fitting
@@ -60,11 +64,14 @@ MAX_CONTEXT_SIDES = ("patched", "patched+offload")
 MAX_CONTEXT_START = 65536
 FIND_MAX_RESOLUTION = 8192  # the simulation's bisection on the card, in tokens
 SIM_LAYERS = 2  # the simulated rows run 2 and 3 layers and extend the (linear) bytes to the depth
-PARTS = ("clock", "memory", "speed", "cuda_tier", "max_context", "trainer")  # in the order they run, after the environment
+PARTS = ("clock", "memory", "speed", "cuda_tier", "max_context", "decode", "trainer")  # in order, after the environment
 # The least seconds each part keeps for itself out of the check's budget: a running part leaves the later ones theirs.
-PART_SECONDS = {"clock": 20, "memory": 100, "speed": 100, "cuda_tier": 150, "max_context": 45, "trainer": 240}
-# The trainer runs when named: its 4 minutes beside the others' 8 would not fit one command of a lent card's session.
-DEFAULT_PARTS = tuple(part for part in PARTS if part != "trainer")
+PART_SECONDS = {"clock": 20, "memory": 100, "speed": 100, "cuda_tier": 150, "max_context": 45, "decode": 120,
+                "trainer": 240}
+# Decode and the trainer run when named: their minutes beside the others' 8 would not fit one command of a lent
+# card's session.
+WHEN_NAMED = ("decode", "trainer")
+DEFAULT_PARTS = tuple(part for part in PARTS if part not in WHEN_NAMED)
 BUDGET_SECONDS = 480.0  # the default --time_budget
 TRAINER_ALONE_SECONDS = 300.0  # ... for --gpu_check_parts trainer alone
 END_SECONDS = 5  # writing the report
@@ -84,9 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"with --gpu_check: seconds for the whole check, shared out so every part gets its turn "
                             f"(default {BUDGET_SECONDS:.0f}; {TRAINER_ALONE_SECONDS:.0f} for the trainer alone)")
     group.add_argument("--gpu_check_parts", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS),
-                       help="with --gpu_check: the parts to run (default: all but trainer, which runs when named: "
-                            "--gpu_check_parts trainer; the environment always runs), e.g. cuda_tier max_context on "
-                            "a card whose memory and speed are already measured")
+                       help="with --gpu_check: the parts to run (default: all but decode and trainer, which run "
+                            "when named: --gpu_check_parts decode trainer; the environment always runs), e.g. "
+                            "cuda_tier max_context on a card whose memory and speed are already measured")
 
 
 def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -138,7 +145,7 @@ class Check:
                        "started": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
                        "lora_r": LORA_R, "time_budget_s": args.time_budget, "parts_done": [],
                        "environment": None, "clock": None, "memory": [], "speed": [], "cuda_tier": None, "max_context": None,
-                       "trainer": None}
+                       "decode": None, "trainer": None}
         workers = max(1, min(8, (os.cpu_count() or 2) - 2))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
 
@@ -367,7 +374,8 @@ def run(args: argparse.Namespace, model_config: dict, runner) -> dict:
             find_max = {side: check.pool.submit(simulated_find_max, check, side) for side in MAX_CONTEXT_SIDES}
         runs = {"clock": lambda: part_clock(check), "memory": lambda: part_memory(check, sims),
                 "speed": lambda: part_speed(check), "cuda_tier": lambda: part_cuda_tier(check),
-                "max_context": lambda: part_max_context(check, find_max), "trainer": lambda: part_trainer(check)}
+                "max_context": lambda: part_max_context(check, find_max), "decode": lambda: part_decode(check),
+                "trainer": lambda: part_trainer(check)}
         for part in PARTS:
             if part in parts:
                 runs[part]()

@@ -55,8 +55,24 @@ def format_table(report: dict) -> str:
                 sim = c["simulated_find_max"]
                 lines.append(f"  {side:15s} longest {c['longest']} (stopped: {c['stopped']}); simulated --find_max "
                              f"{sim.get('longest', sim.get('error'))}")
+    lines += _decode_lines(report.get("decode"))
     lines += _trainer_lines(report.get("trainer"))
     return "\n".join(lines)
+
+
+def _decode_lines(rows: list | None) -> list[str]:
+    """The decode part (bpt.bench.decode_check): a line per side."""
+    if not rows:
+        return []
+    lines = ["", "decode (generate() with a static cache, forward under torch.compile, second call timed)"]
+    for row in rows:
+        if not row["ok"]:
+            lines.append(f"  {row['side']:15s} {row['error']}")
+            continue
+        lines.append(f"  {row['side']:15s} {row['tokens_per_s']:,.1f} tok/s ({row['new_tokens']} tokens after "
+                     f"{row['prompt_tokens']}); first call {row['first_call_s']:.1f} s, graphs "
+                     f"{row['graphs_first_call']} then {row['graphs_second_call']}")
+    return lines
 
 
 def _accuracy(cells: dict | None) -> str:

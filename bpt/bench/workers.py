@@ -45,6 +45,12 @@ def _environment(spec: dict) -> dict:
     return device_environment(spec)
 
 
+def _decode(spec: dict) -> dict:
+    from bpt.bench.decode_check import run_decode
+
+    return run_decode(spec)
+
+
 def _rates(spec: dict) -> dict:
     from bpt.gpusim.rates import run_rates
 
@@ -52,7 +58,7 @@ def _rates(spec: dict) -> dict:
 
 
 TASKS = {"probe": run_probe, "train": run_training, "sp_train": run_sp_group, "simulate": _simulate,
-         "cells": _cells, "environment": _environment, "rates": _rates}
+         "cells": _cells, "environment": _environment, "rates": _rates, "decode": _decode}
 
 
 def worker_command(spec_path: str, spec: dict) -> list[str]:
