@@ -187,24 +187,10 @@ def test_head_grouped_flash_backward_no_further_from_fp32_and_holds_less(hq, hkv
 
 
 def test_compiled_static_cache_decoding_on_cuda():
-    """tests/test_generation.py's compiled decode on the GPU (inductor's Triton kernels), fp32: a graph for the
-    prefill, one for the decode step, one more when the filled cache length turns dynamic, none for a second call;
-    the tokens of stock eager."""
-    from torch._dynamo.utils import counters
+    """tests/test_generation.py's compiled decode on the GPU (inductor's Triton kernels)."""
+    from test_generation import assert_compiled_decoding_compiles_per_shape
 
-    from test_generation import pair, prompt
-
-    stock, patched = (model.cuda() for model in pair("llama"))
-    input_ids, attention_mask = (t.cuda() for t in prompt(left_padded=True))
-    kwargs = dict(attention_mask=attention_mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                  pad_token_id=0, cache_implementation="static")
-    expected = stock.generate(input_ids, **kwargs)
-    patched.forward = torch.compile(patched.forward)
-    graphs = counters["stats"]["unique_graphs"]
-    assert torch.equal(patched.generate(input_ids, **kwargs), expected)
-    first = counters["stats"]["unique_graphs"] - graphs
-    assert torch.equal(patched.generate(input_ids, **kwargs), expected)
-    assert (first, counters["stats"]["unique_graphs"] - graphs) == (3, 3)
+    assert_compiled_decoding_compiles_per_shape("cuda")
 
 
 # Last: passed on an H100 in both GPU checks so far; the pytest order is the order a short lease gets through them.

@@ -104,18 +104,23 @@ def test_static_cache_prefill_is_causal():
 
 def test_compiled_static_cache_decoding_compiles_per_shape_not_per_token():
     """generate() with a static cache and the model's forward under torch.compile (inductor's C++ backend here), as
-    compiled decoding runs: the patched model decodes stock's tokens, and dynamo makes a graph for the prefill, one
-    for the decode step and one more when the filled cache length first changes (then dynamic): 3 for 12 tokens,
-    none per token, and a second generate() compiles nothing. Measured: 40 s for the first call here (stock's 2
-    graphs: 19 s)."""
-    from torch._dynamo.utils import counters
-
+    compiled decoding runs: see assert_compiled_decoding_compiles_per_shape. Measured: 40 s for the first call here
+    (stock's 2 graphs: 19 s)."""
     from bpt.compile import unavailable_reason
 
     if unavailable_reason("cpu"):
         pytest.skip(f"torch.compile unavailable here: {unavailable_reason('cpu')}")
-    stock, patched = pair("llama")
-    input_ids, attention_mask = prompt(left_padded=True)
+    assert_compiled_decoding_compiles_per_shape("cpu")
+
+
+def assert_compiled_decoding_compiles_per_shape(device: str) -> None:
+    """The patched tiny llama, left-padded prompts, 12 tokens (fp32; the CUDA tier runs it on a GPU too): it decodes
+    stock eager's tokens, and dynamo makes a graph for the prefill, one for the decode step and one more when the
+    filled cache length first changes (then dynamic): 3, none per token, and a second generate() compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    stock, patched = (model.to(device) for model in pair("llama"))
+    input_ids, attention_mask = (t.to(device) for t in prompt(left_padded=True))
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
                   pad_token_id=0, cache_implementation="static")
     expected = stock.generate(input_ids, **kwargs)
