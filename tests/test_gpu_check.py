@@ -167,19 +167,25 @@ def test_cuda_tier_keeps_each_failure_with_its_text(tmp_path):
         "cuda_tier": tier})
 
 
-def test_only_the_parts_asked_for_run(tmp_path):
-    """--gpu_check_parts: the environment, then the parts named, none other started (no cell, no simulation); the
-    time each keeps for the later parts counts only those that run (all seven: 760 s after the clock)."""
-    from types import SimpleNamespace
-
+def _dry_run_of_parts(tmp_path, *parts) -> tuple[dict, list]:
+    """The dry run of `parts` with a runner that answers only the environment worker: -> (the report, the tasks
+    asked of workers)."""
     asked = []
 
     def runner(spec, timeout=None):
         asked.append(spec["task"])
         return {"ok": True, "gpu": "simulated h100-80gb", "memory_bytes": 80 << 30, "versions": {}}
-    main(["--gpu_check", "--simulate", "h100-80gb", "--output", str(tmp_path), "--gpu_check_parts", "clock"],
+    main(["--gpu_check", "--simulate", "h100-80gb", "--output", str(tmp_path), "--gpu_check_parts", *parts],
          runner=runner)
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    return json.loads((tmp_path / "gpu_check.json").read_text()), asked
+
+
+def test_only_the_parts_asked_for_run(tmp_path):
+    """--gpu_check_parts: the environment, then the parts named, none other started (no cell, no simulation); the
+    time each keeps for the later parts counts only those that run (all seven: 760 s after the clock)."""
+    from types import SimpleNamespace
+
+    report, asked = _dry_run_of_parts(tmp_path, "clock")
     assert report["parts_done"] == ["environment", "clock"] and asked == ["environment"]
 
     def reserve(part, parts):
@@ -192,14 +198,7 @@ def test_only_the_parts_asked_for_run(tmp_path):
 def test_the_decode_part_runs_when_named_and_says_why_not_on_a_simulated_card(tmp_path):
     from bpt.bench.decode_check import NOT_ON_A_SIMULATED_CARD, SIDES
 
-    asked = []
-
-    def runner(spec, timeout=None):
-        asked.append(spec["task"])
-        return {"ok": True, "gpu": "simulated h100-80gb", "memory_bytes": 80 << 30, "versions": {}}
-    main(["--gpu_check", "--simulate", "h100-80gb", "--output", str(tmp_path), "--gpu_check_parts", "decode"],
-         runner=runner)
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    report, asked = _dry_run_of_parts(tmp_path, "decode")
     assert report["parts_done"] == ["environment", "decode"] and asked == ["environment"]
     assert [(row["side"], row["ok"], row["error"]) for row in report["decode"]] == \
         [(side, False, NOT_ON_A_SIMULATED_CARD) for side in SIDES]

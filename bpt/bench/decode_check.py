@@ -23,13 +23,13 @@ def run_decode(spec: dict) -> dict:
     from torch._dynamo.utils import counters
     from transformers import AutoConfig
 
-    from bpt.bench.models import model_from_config
+    from bpt.bench.models import DTYPES, model_from_config
     from patches import apply_bpt_patch
 
     config = AutoConfig.for_model(**spec["model_config"])
     torch.manual_seed(spec["seed"])
     with torch.device(spec["device"]):
-        model = model_from_config(config, {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]).eval()
+        model = model_from_config(config, DTYPES[spec["dtype"]]).eval()
     if spec["side"] == "patched":
         apply_bpt_patch(model)
     if spec["compile"]:

@@ -112,6 +112,9 @@ def resolve_model_config(spec: str, longest: int) -> dict:
     return config
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # a spec's "dtype" (--dtype)
+
+
 def model_from_config(config, dtype: torch.dtype):
     """The causal LM of `config` with stock attention through SDPA, or eager for families that refuse SDPA (gemma2:
     its attention softcap), as from_pretrained would pick."""
@@ -131,7 +134,7 @@ def build_model(spec: dict, tp_group=None):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(**spec["model_config"])
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    dtype = DTYPES[spec["dtype"]]
     torch.manual_seed(spec["seed"])
     with torch.device(spec["device"]):  # build in place: an 8B model is never materialized on the host
         model = model_from_config(config, dtype)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from bpt import attention_once
 from bpt.bench.measure import MIB, measure_step
-from bpt.bench.models import build_model
+from bpt.bench.models import DTYPES, build_model
 from bpt.sequence_parallel import traffic
 from bpt.sequence_parallel.ulysses import kv_head_ranges
 
@@ -157,7 +157,7 @@ def _run_one(spec: dict, model, mode: str, seq_len: int, groups: tuple) -> dict:
     kept = (attention_once.last_decision() or {}).get("kept", False)
     worst = max(steps, key=lambda s: s["added_mib"])
     trainable = [p for p in model.parameters() if p.requires_grad]
-    elem = torch.finfo({"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]).bits // 8
+    elem = torch.finfo(DTYPES[spec["dtype"]]).bits // 8
     shape = attention_shape(model.config)  # the whole model's; a tensor-parallel rank holds 1/tp of the heads
     shape.update(q_heads=shape["q_heads"] // tp, kv_heads=shape["kv_heads"] // tp)
     sp_world = spec["world"] // tp
