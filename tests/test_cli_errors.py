@@ -103,8 +103,30 @@ def test_bitsandbytes_kernels_noise_is_silenced(tiny, tmp_path):
 
 # ---------------------------------------------------------------- accelerate launch
 
-def _launch(argv) -> subprocess.CompletedProcess:
-    cmd = [*accelerate_launch(2), "-m", "train.qlora", *map(str, argv)]
+# `python -m train.qlora` whose second process goes on late after reading the data (a busy machine: CI saw a rank
+# more than lifecycle.PEER_WAIT_S behind the first).
+SECOND_RANK_LATE = '''
+import runpy, sys, time
+import train.run.qlora as qlora
+
+made, late_s = qlora.make_layout, float(sys.argv.pop(1))
+
+def late(world_size, rank, args):
+    if rank == 1:
+        time.sleep(late_s)
+    return made(world_size, rank, args)
+
+qlora.make_layout = late
+runpy.run_module("train.qlora", run_name="__main__", alter_sys=True)
+'''
+
+
+def _launch(argv, *, second_rank_late_s: float = 0, tmp_path=None) -> subprocess.CompletedProcess:
+    program = ["-m", "train.qlora"]
+    if second_rank_late_s:
+        (tmp_path / "second_rank_late.py").write_text(SECOND_RANK_LATE)
+        program = [str(tmp_path / "second_rank_late.py"), str(second_rank_late_s)]
+    cmd = [*accelerate_launch(2), *program, *map(str, argv)]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
 
 
@@ -113,7 +135,10 @@ def test_user_error_under_accelerate_launch_is_one_line_from_the_main_process(ti
     """The error is the only text our processes print about it: no second rank's copy, no gloo 'connection
     closed' traceback from a rank left waiting. torchrun's own report follows (no worker can prevent it): the first
     process exits 2 after the other has exited 0, so the report names one failure, with the same line as its cause,
-    and no process is sent SIGTERM."""
+    and no process is sent SIGTERM, even when the second process is late (the main process checks the checkpoint and
+    shares its error: had each rank checked, the first would have outwaited the late one only PEER_WAIT_S)."""
+    from train.recipe.lifecycle import PEER_WAIT_S
+
     out = tmp_path / "run"
     if case == "resume with another process count":  # only known once the process group exists
         run(parse_args(base_argv(tiny, out, "--max_steps", 1, "--save_steps", 1)))
@@ -123,7 +148,7 @@ def test_user_error_under_accelerate_launch_is_one_line_from_the_main_process(ti
         (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": broken}\n')
         argv = [*base_argv(tiny, out), "--dataset", tmp_path / "broken.jsonl"]
         expected = f"error: could not read {tmp_path / 'broken.jsonl'}: line 2 is not valid JSON"
-    done = _launch(argv)
+    done = _launch(argv, second_rank_late_s=PEER_WAIT_S + 2, tmp_path=tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode != 0
     errors = [line for line in output.splitlines() if line.startswith("error:")]
@@ -165,8 +190,9 @@ def test_a_worker_exits_0_only_when_its_machines_first_worker_is_leaving_too(tmp
 
 def test_the_first_worker_outwaits_a_slow_peer_only_while_it_says_it_is_leaving(tmp_path, monkeypatch):
     """Exiting while a peer still runs makes torchrun SIGTERM it and report it (CI: a peer on a busy machine took more
-    than PEER_WAIT_S to go). A peer that has written its error file is waited for until it exits; one that has not
-    (an error of the first's own, the peer stuck elsewhere) only PEER_WAIT_S."""
+    than PEER_WAIT_S to go). A peer that has written its error file is waited for until it exits, and so is one that
+    has not when the error is every rank's (peers_leaving: it is on its way); otherwise (an error of the first's own,
+    the peer stuck elsewhere) only PEER_WAIT_S."""
     import time
 
     from train.recipe import lifecycle
@@ -177,17 +203,18 @@ def test_the_first_worker_outwaits_a_slow_peer_only_while_it_says_it_is_leaving(
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "0" / "error.json"))
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    for says_leaving in (False, True):
+    for says_leaving, peers_leaving in ((False, False), (False, True), (True, False)):
         if says_leaving:
             (attempt / "1").mkdir()
             (attempt / "1" / "error.json").write_text("{}")
         peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
         monkeypatch.setattr(lifecycle, "_machine_peers", lambda: [peer.pid])
         start = time.monotonic()
-        assert lifecycle._launcher_status(2) == 2
+        assert lifecycle._launcher_status(2, peers_leaving) == 2
         waited = time.monotonic() - start
-        assert (peer.poll() is not None) == says_leaving, waited
-        assert waited >= 2 if says_leaving else waited < 2
+        outwaited = says_leaving or peers_leaving
+        assert (peer.poll() is not None) == outwaited, waited
+        assert waited >= 2 if outwaited else waited < 2
         peer.kill()
         peer.wait()
 

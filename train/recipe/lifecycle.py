@@ -261,13 +261,14 @@ def _wait_until(done, timeout_s: float) -> bool:
     return True
 
 
-def _launcher_status(code: int) -> int:
+def _launcher_status(code: int, peers_leaving: bool = False) -> int:
     """The exit status of a torchrun worker leaving with `code`. torchrun's failure report shows a block of seven
     lines for every worker that exits non-zero, and logs a line for each it has to SIGTERM: so the node's first worker
     (LOCAL_RANK 0) alone exits with `code`, once the others have gone; they exit 0 once its error file shows it is
     leaving too. A worker whose first is not leaving (an error of its own) keeps `code` after PEER_WAIT_S, so torchrun
     still stops the launch. The first waits for the others PEER_WAIT_S, or up to LEAVING_PEER_WAIT_S once each has
-    written its own error file (it is on its way out: left running, torchrun would SIGTERM it and say so)."""
+    written its own error file or when `peers_leaving` (an error every rank raised: a peer that has not written its
+    file yet is on its way, however late; left running, torchrun would SIGTERM it and say so)."""
     first = _error_file(0)
     if code == 0 or first is None:
         return code
@@ -283,23 +284,24 @@ def _launcher_status(code: int) -> int:
     start = time.monotonic()
 
     def waited_enough() -> bool:
-        return (time.monotonic() - start > PEER_WAIT_S
+        return (not peers_leaving and time.monotonic() - start > PEER_WAIT_S
                 and not all(os.path.exists(_error_file(rank)) for rank in others))
 
     _wait_until(lambda: peers_gone() or waited_enough(), LEAVING_PEER_WAIT_S)
     return code
 
 
-def leave(message: str, code: int, *, here: bool | None = None) -> int:
+def leave(message: str, code: int, *, here: bool | None = None, peers_leaving: bool = False) -> int:
     """Print one line (main process only, or where `here` says), tear down the process group, return the exit
-    status (under torchrun 0 for all but each machine's first worker: _launcher_status)."""
+    status (under torchrun 0 for all but each machine's first worker: _launcher_status; `peers_leaving` when every
+    process of the launch leaves with this message)."""
     if launched_world_size() > 1:
         SIGNALS.ignore_until_exit()
     if is_main_process() if here is None else here:
         print(message, file=sys.stderr, flush=True)
     _tell_launcher(message)
     close_process_group()
-    return _launcher_status(code)
+    return _launcher_status(code, peers_leaving)
 
 
 def close_process_group() -> None:

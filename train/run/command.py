@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from train.errors import UserError
+from train.errors import SharedUserError, UserError
 from train.recipe.args import Args, parse_args
 from train.recipe.lifecycle import (SIGNALS, Interrupted, close_process_group, interrupted_message, leave,
                                     silence_library_noise, stopped_message)
@@ -46,7 +46,7 @@ def _run(args: Args, argv: list[str]) -> int:
         run(args)
         close_process_group()
     except UserError as error:
-        return leave(f"error: {error}", 2)
+        return leave(f"error: {error}", 2, peers_leaving=isinstance(error, SharedUserError))
     except PlanFailed as error:
         return leave(f"error: {error}", 1)
     except (checkpoint.SaveFailed, PeerLost) as error:  # a dead process: the lowest rank alive prints

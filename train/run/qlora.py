@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from train.errors import UserError
+from train.errors import SharedUserError, UserError
 from train.evaluation.metrics import EVAL_SEED
 from train.parallel.layout import launched_world_size, make_layout
 from train.recipe import checkpoint, run_dir
@@ -145,8 +145,9 @@ def make_accelerator(args: Args):
 
 
 def on_main(accelerator, fn):
-    """fn() on the main process only; the others wait. A UserError there is raised on every rank, so no
-    rank is left waiting at a collective for a process that has gone (gloo: "connection closed")."""
+    """fn() on the main process only; the others wait. A UserError there is raised on every rank (as a
+    SharedUserError), so no rank is left waiting at a collective for a process that has gone (gloo: "connection
+    closed")."""
     result, error = None, None
     if accelerator.is_main_process:
         try:
@@ -158,7 +159,7 @@ def on_main(accelerator, fn):
 
         error = broadcast_object_list([error])[0]
     if error is not None:
-        raise UserError(error)
+        raise SharedUserError(error)
     return result
 
 
@@ -296,7 +297,7 @@ def run(args: Args) -> RunResult:
     layout = make_layout(accelerator.num_processes, accelerator.process_index, args)
     steps = loop.total_steps(len(dataset), args, layout.data_world)
     if plan.resume_path:
-        check_resume(plan.resume_path, args, accelerator.num_processes, steps)
+        on_main(accelerator, lambda: check_resume(plan.resume_path, args, accelerator.num_processes, steps))
 
     set_seed(args.seed)
     zero3 = plan.zero3
