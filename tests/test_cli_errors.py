@@ -177,15 +177,15 @@ def test_a_worker_exits_0_only_when_its_machines_first_worker_is_leaving_too(tmp
     monkeypatch.setattr(lifecycle, "PEER_WAIT_S", 0.2)
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "1" / "error.json"))
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert lifecycle._launcher_status(2) == 2  # an error of its own: torchrun must still stop the launch
+    assert lifecycle._launcher_status(2, []) == 2  # an error of its own: torchrun must still stop the launch
     (attempt / "0").mkdir(parents=True)
     (attempt / "0" / "error.json").write_text("{}")
-    assert lifecycle._launcher_status(2) == 0
+    assert lifecycle._launcher_status(2, []) == 0
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert lifecycle._launcher_status(2) == 2  # the first one keeps it (no peers here to wait for)
+    assert lifecycle._launcher_status(2, []) == 2  # the first one keeps it (no peers here to wait for)
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert lifecycle._launcher_status(2) == 2  # not torchrun
+    assert lifecycle._launcher_status(2, []) == 2  # not torchrun
 
 
 def test_the_first_worker_outwaits_a_slow_peer_only_while_it_says_it_is_leaving(tmp_path, monkeypatch):
@@ -208,15 +208,58 @@ def test_the_first_worker_outwaits_a_slow_peer_only_while_it_says_it_is_leaving(
             (attempt / "1").mkdir()
             (attempt / "1" / "error.json").write_text("{}")
         peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
-        monkeypatch.setattr(lifecycle, "_machine_peers", lambda: [peer.pid])
         start = time.monotonic()
-        assert lifecycle._launcher_status(2, peers_leaving) == 2
+        assert lifecycle._launcher_status(2, [peer.pid], peers_leaving) == 2
         waited = time.monotonic() - start
         outwaited = says_leaving or peers_leaving
         assert (peer.poll() is not None) == outwaited, waited
         assert waited >= 2 if outwaited else waited < 2
         peer.kill()
         peer.wait()
+
+
+def test_leaving_finds_its_peers_before_its_error_file_tells_them_to_go(tmp_path, monkeypatch):
+    """A peer that reads the first's error file exits at once, and a process on its way out has no command line left
+    to be recognised by: looked for afterwards, it could be missed, and the first would exit while torchrun still
+    counts the peer as running."""
+    from train.recipe import lifecycle
+
+    error_file = tmp_path / "run" / "attempt_0" / "0" / "error.json"
+    error_file.parent.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    found_with_file = []
+    monkeypatch.setattr(lifecycle, "_machine_peers", lambda: found_with_file.append(error_file.exists()) or [])
+    monkeypatch.setattr(lifecycle, "launched_world_size", lambda: 1)  # signals stay as they are
+    assert lifecycle.leave("error: x", 2, here=False) == 2
+    assert found_with_file == [False] and error_file.exists()
+
+
+def test_a_zombie_whose_threads_still_run_is_alive(tmp_path):
+    """os._exit ends a process's threads one by one: its first thread can be a zombie (Linux's /proc says Z) while the
+    others still run, and until they have gone its parent cannot reap it (torchrun would SIGTERM it). Here the first
+    thread leaves by pthread_exit while another sleeps."""
+    import ctypes.util
+    import time
+
+    from train.recipe.lifecycle import process_alive
+
+    program = ("import ctypes, threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+               f"time.sleep(0.1); ctypes.CDLL({ctypes.util.find_library('c')!r}).pthread_exit(None)")
+    proc = subprocess.Popen([sys.executable, "-c", program])
+    try:
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert proc.poll() is None and process_alive(proc.pid) is True
+    finally:
+        proc.kill()
+    while len(os.listdir(f"/proc/{proc.pid}/task")) > 1:  # the sleeping thread going
+        time.sleep(0.01)
+    assert process_alive(proc.pid) is False  # a zombie alone: gone, though not reaped yet
+    proc.wait()
+    assert process_alive(proc.pid) is False
 
 
 @pytest.mark.parametrize("world", [1, 2])

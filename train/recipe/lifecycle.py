@@ -241,11 +241,15 @@ def _machine_peers() -> list[int]:
 
 def process_alive(pid: int) -> bool | None:
     """True while the process runs; False once it has exited, a zombie its parent has not reaped yet included
-    (Linux's /proc says Z); None when this process cannot tell (not ours to signal, no /proc)."""
+    (Linux's /proc says Z, and lists no thread but its first: until its other threads have gone too, its parent
+    cannot reap it, and torchrun counts it as running); None when this process cannot tell (not ours to signal, no
+    /proc)."""
     try:
         os.kill(pid, 0)
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                return True
+        return os.listdir(f"/proc/{pid}/task") != [str(pid)]
     except ProcessLookupError:
         return False
     except (OSError, IndexError):
@@ -261,18 +265,18 @@ def _wait_until(done, timeout_s: float) -> bool:
     return True
 
 
-def _launcher_status(code: int, peers_leaving: bool = False) -> int:
+def _launcher_status(code: int, peers: list[int], peers_leaving: bool = False) -> int:
     """The exit status of a torchrun worker leaving with `code`. torchrun's failure report shows a block of seven
     lines for every worker that exits non-zero, and logs a line for each it has to SIGTERM: so the node's first worker
     (LOCAL_RANK 0) alone exits with `code`, once the others have gone; they exit 0 once its error file shows it is
     leaving too. A worker whose first is not leaving (an error of its own) keeps `code` after PEER_WAIT_S, so torchrun
     still stops the launch. The first waits for the others PEER_WAIT_S, or up to LEAVING_PEER_WAIT_S once each has
     written its own error file or when `peers_leaving` (an error every rank raised: a peer that has not written its
-    file yet is on its way, however late; left running, torchrun would SIGTERM it and say so)."""
+    file yet is on its way, however late; left running, torchrun would SIGTERM it and say so). `peers`: the pids of
+    the others on this machine, found before this worker wrote its error file (leave)."""
     first = _error_file(0)
     if code == 0 or first is None:
         return code
-    peers = _machine_peers()
 
     def peers_gone() -> bool:
         return not any(process_alive(pid) for pid in peers)
@@ -299,9 +303,12 @@ def leave(message: str, code: int, *, here: bool | None = None, peers_leaving: b
         SIGNALS.ignore_until_exit()
     if is_main_process() if here is None else here:
         print(message, file=sys.stderr, flush=True)
+    # The others, found before the error file tells them to go: one that is on its way out has no command line left
+    # to be recognised by.
+    peers = _machine_peers() if _error_file(0) else []
     _tell_launcher(message)
     close_process_group()
-    return _launcher_status(code, peers_leaving)
+    return _launcher_status(code, peers, peers_leaving)
 
 
 def close_process_group() -> None:
