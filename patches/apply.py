@@ -29,6 +29,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from bpt.compile import compiled_forward
@@ -40,6 +41,7 @@ from patches.attention import (ATTN_IMPLEMENTATION, CONFIG_ATTR, EMPTY_ROWS_ATTR
                                stock_empty_rows)
 from patches.bound_attention import BINDERS
 from patches.chunk_bytes import mlp_bytes_per_token, norm_bytes_per_token
+from patches.dequant_once import dequantising_once_forward, is_4bit_linear
 from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
 from patches.lm_head import causal_lm_forward
 from patches.lora_inputs import input_cast_skipping_round_trips, is_lora_layer
@@ -211,6 +213,9 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
             patched_attention += 1
         mlp = getattr(layer, family.mlp)
         handle.set(mlp, "forward", _chunked_mlp_forward(mlp, mlp.forward, config))
+        if isinstance(layer, GradientCheckpointingLayer):
+            for module in filter(is_4bit_linear, layer.modules()):
+                handle.set(module, "forward", dequantising_once_forward(module, module.forward, layer))
         span = [getattr(layer, name, None) for name in family.layer_input_span]
         if config.offload_checkpoints and span and all(m is not None for m in span):
             layer_inputs.append(span)

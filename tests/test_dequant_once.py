@@ -1,0 +1,116 @@
+"""patches/dequant_once.py: in a checkpointed layer a 4-bit base weight is dequantised for the recompute and the
+backward once, with bitsandbytes' own values; elsewhere bitsandbytes' forward runs as it is."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import patches.apply
+from patches import apply_bpt_patch
+import test_kbit_recipe
+from test_kbit_recipe import load_4bit
+from test_patches import SMALL_BLOCKS, loss_and_grads, make_batch
+
+saved_bf16_llama = test_kbit_recipe.saved_bf16_llama  # the tiny bf16 llama on disk (a fixture)
+
+
+class Dequantisations(TorchDispatchMode):
+    """Counts the ops that dequantise a whole 4-bit weight: bitsandbytes' matmul (it dequantises inside: CPU, and
+    CUDA past a few rows) and its dequantisation, or the simulation's."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in ("bitsandbytes.gemm_4bit", "bitsandbytes.dequantize_4bit", "bpt_sim.dequantize_nf4"):
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+
+def patched_4bit(path, compute_dtype, *, once: bool, monkeypatch, **load):
+    """The tiny 4-bit llama with LoRA, patched; once=False keeps bitsandbytes' forward in every layer."""
+    model = load_4bit(path, compute_dtype, **load)
+    with monkeypatch.context() as patch:
+        if not once:
+            patch.setattr(patches.apply, "is_4bit_linear", lambda module: False)
+        apply_bpt_patch(model, **SMALL_BLOCKS)
+    return model
+
+
+def step(model, inputs, autocast: bool):
+    with Dequantisations() as counted, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss, grads = loss_and_grads(model, inputs)
+    return loss, grads, counted.ops
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16 weights", "bf16 autocast"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_step_dequantises_each_weight_twice_with_bitsandbytes_values(saved_bf16_llama, monkeypatch,
+                                                                                   precision, reentrant):
+    """Loss and LoRA gradients bitwise those of bitsandbytes' own forward, and one dequantisation fewer per backward
+    matmul (bitsandbytes' own in its backward are gone, nothing else changes): non-reentrant, two where it makes three
+    (per layer forward and per MLP chunk: the forward, the recompute, the backward). (Reentrant checkpointing's
+    recompute also runs the MLP's chunked forward: there three where it makes four.)"""
+    compute = torch.float32 if precision == "fp32" else torch.bfloat16
+    results = {}
+    for once in (False, True):
+        model = patched_4bit(saved_bf16_llama, compute, once=once, monkeypatch=monkeypatch)
+        if reentrant:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        results[once] = step(model, make_batch("llama", seed=1), autocast=precision == "bf16 autocast")
+    (loss, grads, bitsandbytes_ops), (loss_once, grads_once, once_ops) = results[False], results[True]
+    assert grads and grads.keys() == grads_once.keys()
+    assert torch.equal(loss, loss_once)
+    assert all(torch.equal(grads[name], grads_once[name]) for name in grads)
+    in_backward = bitsandbytes_ops["bitsandbytes.dequantize_4bit"]  # its matmuls dequantise inside gemm_4bit
+    made, once = sum(bitsandbytes_ops.values()), sum(once_ops.values())
+    assert in_backward > 0 and once == made - in_backward, (bitsandbytes_ops, once_ops)
+    assert reentrant or made == in_backward * 3
+
+
+def test_without_checkpointing_or_gradients_bitsandbytes_runs_as_it_is(saved_bf16_llama, monkeypatch):
+    """No layer checkpoint: a saved dequantised weight would stay from the forward to the backward (every layer's:
+    the model in 16 bits), so the patched layer is bitsandbytes' and the step dequantises as many times."""
+    counts = {}
+    for once in (False, True):
+        model = patched_4bit(saved_bf16_llama, torch.float32, once=once, monkeypatch=monkeypatch)
+        inputs = make_batch("llama", seed=2)
+        with torch.no_grad(), Dequantisations() as evaluated:
+            model(**inputs)
+        model.gradient_checkpointing_disable()
+        _, _, trained = step(model, inputs, autocast=False)
+        counts[once] = sum(evaluated.ops.values()), sum(trained.values())
+    assert counts[True] == counts[False] and all(counts[True])
+
+
+def test_the_simulated_4bit_layer_is_dequantised_as_often(monkeypatch):
+    """The simulation's emulated layer (bpt.gpusim.quant4) takes the same path, so the simulated memory and clock see
+    the held weight and the missing dequantisation: twice per weight per run of its layer (or MLP chunk) where
+    bitsandbytes' forward, emulated, makes three. (Its values are not computed: only the counts are compared.)"""
+    from peft import LoraConfig, get_peft_model
+
+    from bpt.gpusim.quant4 import Emulated4bitLinear, lora_like_bitsandbytes, quantise_linears
+    from tiny_models import tiny_model
+
+    counts = {}
+    for once in (False, True):
+        model = tiny_model("llama", hidden_size=64, intermediate_size=128)
+        quantise_linears(model)
+        config = lora_like_bitsandbytes(LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+        model = get_peft_model(model, config)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.train()
+        with monkeypatch.context() as patch:
+            if not once:
+                patch.setattr(patches.apply, "is_4bit_linear", lambda module: False)
+            apply_bpt_patch(model, **SMALL_BLOCKS)
+        counts[once] = sum(step(model, make_batch("llama", seed=0), autocast=False)[2].values())
+    linears = sum(isinstance(m, Emulated4bitLinear) for m in model.modules())
+    assert linears == 14 and counts[False] % 3 == 0 and counts[True] == counts[False] // 3 * 2 >= 2 * linears, counts
