@@ -11,9 +11,8 @@ bitsandbytes' own (the same dequantisation to the compute dtype, the same matmul
 The price: a weight the recompute dequantised stays until the backward has used it. A layer's recompute runs its
 attention (the MLP, chunked, recomputes in its own backward, a chunk at a time), so one layer's attention projections
 are held through its backward, and the MLP's weights during each chunk's backward: Llama-3.1-8B in bf16, 84 MB and
-352 MB more. Elsewhere (no checkpointing,
-evaluation, no gradient) the layer runs as bitsandbytes does: saved in an unchecked forward, every layer's
-dequantised weights would stay until the backward, the whole model in 16 bits.
+352 MB more. Elsewhere (no checkpointing, evaluation, no gradient) the layer runs as bitsandbytes does: saved in an
+unchecked forward, every layer's dequantised weights would stay until the backward, the whole model in 16 bits.
 """
 from __future__ import annotations
 
