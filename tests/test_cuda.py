@@ -193,6 +193,14 @@ def test_compiled_static_cache_decoding_on_cuda():
     assert_compiled_decoding_compiles_per_shape("cuda")
 
 
+def test_4bit_weights_dequantised_once_on_cuda(monkeypatch):
+    """tests/test_dequant_once.py's check on bitsandbytes' CUDA kernels: 2,048 tokens, so its matmul dequantises too
+    (past 1,536 rows) and the results are bitwise its own."""
+    from test_dequant_once import assert_one_dequantisation_fewer_per_backward_matmul
+
+    assert_one_dequantisation_fewer_per_backward_matmul("cuda", 2048, monkeypatch)
+
+
 # Last: passed on an H100 in both GPU checks so far; the pytest order is the order a short lease gets through them.
 @pytest.mark.parametrize("name", ["llama", "gemma2", "falcon_alibi", "mistral"])
 @pytest.mark.parametrize("mode", ["autocast", "bf16_weights"])

@@ -43,8 +43,8 @@ def patched_4bit(path, compute_dtype, *, once: bool, monkeypatch, **load):
     return model
 
 
-def step(model, inputs, autocast: bool):
-    with Dequantisations() as counted, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+def step(model, inputs, autocast: bool, device_type: str = "cpu"):
+    with Dequantisations() as counted, torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
         loss, grads = loss_and_grads(model, inputs)
     return loss, grads, counted.ops
 
@@ -114,3 +114,40 @@ def test_the_simulated_4bit_layer_is_dequantised_as_often(monkeypatch):
         counts[once] = sum(step(model, make_batch("llama", seed=0), autocast=False)[2].values())
     linears = sum(isinstance(m, Emulated4bitLinear) for m in model.modules())
     assert linears == 14 and counts[False] % 3 == 0 and counts[True] == counts[False] // 3 * 2 >= 2 * linears, counts
+
+
+def assert_one_dequantisation_fewer_per_backward_matmul(device: str, length: int, monkeypatch) -> None:
+    """A tiny llama quantised by bitsandbytes on `device` (as the GPU check's model), LoRA on every linear, bf16
+    autocast, checkpointing, one sequence of `length` tokens: loss and gradients bitwise those of bitsandbytes' own
+    forward (on CUDA where its matmul dequantises too: past 1,536 rows), one dequantisation fewer per backward matmul.
+    tests/test_cuda.py runs it on the GPU."""
+    from peft import LoraConfig, get_peft_model
+
+    from bpt.bench.models import quantise_with_bitsandbytes
+    from patches.kbit import prepare_kbit_model
+    from tiny_models import tiny_model
+
+    results = {}
+    for once in (False, True):
+        model = tiny_model("llama", hidden_size=64, intermediate_size=128, max_position_embeddings=length)
+        quantise_with_bitsandbytes(model.to(device=device, dtype=torch.bfloat16))
+        model.is_loaded_in_4bit = True  # what from_pretrained sets: peft's preparation then turns checkpointing on
+        model = prepare_kbit_model(model, gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, init_lora_weights=False, target_modules="all-linear")).train()
+        with monkeypatch.context() as patch:
+            if not once:
+                patch.setattr(patches.apply, "is_4bit_linear", lambda module: False)
+            apply_bpt_patch(model)
+        ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+        inputs = {"input_ids": ids.to(device), "labels": ids.to(device)}
+        results[once] = step(model, inputs, autocast=True, device_type=torch.device(device).type)
+    (loss, grads, bitsandbytes_ops), (loss_once, grads_once, once_ops) = results[False], results[True]
+    assert grads and grads.keys() == grads_once.keys() and torch.equal(loss, loss_once)
+    assert all(torch.equal(grads[name], grads_once[name]) for name in grads)
+    in_backward = bitsandbytes_ops["bitsandbytes.dequantize_4bit"]
+    assert in_backward > 0 and sum(once_ops.values()) == sum(bitsandbytes_ops.values()) - in_backward
+
+
+def test_a_model_quantised_as_the_gpu_checks_is_dequantised_once(monkeypatch):
+    assert_one_dequantisation_fewer_per_backward_matmul("cpu", 256, monkeypatch)
