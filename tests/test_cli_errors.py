@@ -121,12 +121,10 @@ runpy.run_module("train.qlora", run_name="__main__", alter_sys=True)
 '''
 
 
-def _launch(argv, *, second_rank_late_s: float = 0, tmp_path=None) -> subprocess.CompletedProcess:
-    program = ["-m", "train.qlora"]
-    if second_rank_late_s:
-        (tmp_path / "second_rank_late.py").write_text(SECOND_RANK_LATE)
-        program = [str(tmp_path / "second_rank_late.py"), str(second_rank_late_s)]
-    cmd = [*accelerate_launch(2), *program, *map(str, argv)]
+def _launch_second_rank_late(argv, late_s: float, tmp_path) -> subprocess.CompletedProcess:
+    program = tmp_path / "second_rank_late.py"
+    program.write_text(SECOND_RANK_LATE)
+    cmd = [*accelerate_launch(2), str(program), str(late_s), *map(str, argv)]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
 
 
@@ -148,7 +146,7 @@ def test_user_error_under_accelerate_launch_is_one_line_from_the_main_process(ti
         (tmp_path / "broken.jsonl").write_text('{"text": "fine"}\n{"text": broken}\n')
         argv = [*base_argv(tiny, out), "--dataset", tmp_path / "broken.jsonl"]
         expected = f"error: could not read {tmp_path / 'broken.jsonl'}: line 2 is not valid JSON"
-    done = _launch(argv, second_rank_late_s=PEER_WAIT_S + 2, tmp_path=tmp_path)
+    done = _launch_second_rank_late(argv, PEER_WAIT_S + 2, tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode != 0
     errors = [line for line in output.splitlines() if line.startswith("error:")]

@@ -32,21 +32,38 @@ class Dequantisations(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-
-def patched_4bit(path, compute_dtype, *, once: bool, monkeypatch, **load):
-    """The tiny 4-bit llama with LoRA, patched; once=False keeps bitsandbytes' forward in every layer."""
-    model = load_4bit(path, compute_dtype, **load)
+def patched(model, *, once: bool, monkeypatch, **options):
+    """`model` patched; once=False keeps bitsandbytes' forward in every layer (the change under test left out)."""
     with monkeypatch.context() as patch:
         if not once:
             patch.setattr(patches.apply, "is_4bit_linear", lambda module: False)
-        apply_bpt_patch(model, **SMALL_BLOCKS)
+        apply_bpt_patch(model, **options)
     return model
+
+
+def patched_4bit(path, compute_dtype, *, once: bool, monkeypatch):
+    """The tiny 4-bit llama with LoRA, patched with small blocks."""
+    return patched(load_4bit(path, compute_dtype), once=once, monkeypatch=monkeypatch, **SMALL_BLOCKS)
 
 
 def step(model, inputs, autocast: bool, device_type: str = "cpu"):
     with Dequantisations() as counted, torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
         loss, grads = loss_and_grads(model, inputs)
     return loss, grads, counted.ops
+
+
+def assert_bitwise_with_one_dequantisation_fewer_per_backward_matmul(results: dict) -> tuple[int, int]:
+    """results[once] = step(...) for bitsandbytes' forward (False) and the patch's (True): loss and gradients bitwise
+    equal, and bitsandbytes' dequantisations in its backward (those outside its matmuls) gone, nothing else changed.
+    Returns (dequantisations bitsandbytes' forward made, those in its backward)."""
+    (loss, grads, bitsandbytes_ops), (loss_once, grads_once, once_ops) = results[False], results[True]
+    assert grads and grads.keys() == grads_once.keys()
+    assert torch.equal(loss, loss_once)
+    assert all(torch.equal(grads[name], grads_once[name]) for name in grads)
+    in_backward = bitsandbytes_ops["bitsandbytes.dequantize_4bit"]  # its matmuls dequantise inside gemm_4bit
+    made, once = sum(bitsandbytes_ops.values()), sum(once_ops.values())
+    assert in_backward > 0 and once == made - in_backward, (bitsandbytes_ops, once_ops)
+    return made, in_backward
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16 weights", "bf16 autocast"])
@@ -64,13 +81,7 @@ def test_a_checkpointed_step_dequantises_each_weight_twice_with_bitsandbytes_val
         if reentrant:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         results[once] = step(model, make_batch("llama", seed=1), autocast=precision == "bf16 autocast")
-    (loss, grads, bitsandbytes_ops), (loss_once, grads_once, once_ops) = results[False], results[True]
-    assert grads and grads.keys() == grads_once.keys()
-    assert torch.equal(loss, loss_once)
-    assert all(torch.equal(grads[name], grads_once[name]) for name in grads)
-    in_backward = bitsandbytes_ops["bitsandbytes.dequantize_4bit"]  # its matmuls dequantise inside gemm_4bit
-    made, once = sum(bitsandbytes_ops.values()), sum(once_ops.values())
-    assert in_backward > 0 and once == made - in_backward, (bitsandbytes_ops, once_ops)
+    made, in_backward = assert_bitwise_with_one_dequantisation_fewer_per_backward_matmul(results)
     assert reentrant or made == in_backward * 3
 
 
@@ -106,11 +117,7 @@ def test_the_simulated_4bit_layer_is_dequantised_as_often(monkeypatch):
         model = get_peft_model(model, config)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-        model.train()
-        with monkeypatch.context() as patch:
-            if not once:
-                patch.setattr(patches.apply, "is_4bit_linear", lambda module: False)
-            apply_bpt_patch(model, **SMALL_BLOCKS)
+        patched(model.train(), once=once, monkeypatch=monkeypatch, **SMALL_BLOCKS)
         counts[once] = sum(step(model, make_batch("llama", seed=0), autocast=False)[2].values())
     linears = sum(isinstance(m, Emulated4bitLinear) for m in model.modules())
     assert linears == 14 and counts[False] % 3 == 0 and counts[True] == counts[False] // 3 * 2 >= 2 * linears, counts
@@ -135,18 +142,11 @@ def assert_one_dequantisation_fewer_per_backward_matmul(device: str, length: int
         model = prepare_kbit_model(model, gradient_checkpointing_kwargs={"use_reentrant": False})
         torch.manual_seed(0)
         model = get_peft_model(model, LoraConfig(r=4, init_lora_weights=False, target_modules="all-linear")).train()
-        with monkeypatch.context() as patch:
-            if not once:
-                patch.setattr(patches.apply, "is_4bit_linear", lambda module: False)
-            apply_bpt_patch(model)
+        patched(model, once=once, monkeypatch=monkeypatch)
         ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
         inputs = {"input_ids": ids.to(device), "labels": ids.to(device)}
         results[once] = step(model, inputs, autocast=True, device_type=torch.device(device).type)
-    (loss, grads, bitsandbytes_ops), (loss_once, grads_once, once_ops) = results[False], results[True]
-    assert grads and grads.keys() == grads_once.keys() and torch.equal(loss, loss_once)
-    assert all(torch.equal(grads[name], grads_once[name]) for name in grads)
-    in_backward = bitsandbytes_ops["bitsandbytes.dequantize_4bit"]
-    assert in_backward > 0 and sum(once_ops.values()) == sum(bitsandbytes_ops.values()) - in_backward
+    assert_bitwise_with_one_dequantisation_fewer_per_backward_matmul(results)
 
 
 def test_a_model_quantised_as_the_gpu_checks_is_dequantised_once(monkeypatch):
