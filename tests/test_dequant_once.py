@@ -151,3 +151,20 @@ def assert_one_dequantisation_fewer_per_backward_matmul(device: str, length: int
 
 def test_a_model_quantised_as_the_gpu_checks_is_dequantised_once(monkeypatch):
     assert_one_dequantisation_fewer_per_backward_matmul("cpu", 256, monkeypatch)
+
+
+def test_hf_trainer_trains_the_4bit_model_as_bitsandbytes_does(saved_bf16_llama, monkeypatch, tmp_path):
+    """Inside HF Trainer (bf16, gradient checkpointing, 3 steps): the logged losses and the trained adapters bitwise
+    those of bitsandbytes' own forward, with fewer dequantisations."""
+    from test_trainers import _train_losses, _trainer
+
+    results = {}
+    for once in (False, True):
+        model = patched_4bit(saved_bf16_llama, torch.bfloat16, once=once, monkeypatch=monkeypatch)
+        with Dequantisations() as counted:
+            losses = _train_losses(_trainer(model, tmp_path / str(once), bf16=True, gradient_checkpointing=True))
+        trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[once] = losses, trained, sum(counted.ops.values())
+    (losses, adapters, made), (losses_once, adapters_once, made_once) = results[False], results[True]
+    assert len(losses) == 3 and losses == losses_once and 0 < made_once < made, (made, made_once)
+    assert adapters.keys() == adapters_once.keys() and all(torch.equal(adapters[n], adapters_once[n]) for n in adapters)
