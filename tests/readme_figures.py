@@ -307,6 +307,15 @@ def stated_gpu_context() -> list[str]:
               f"{t['peak_bytes'] / simulated[t['seq_len']]:.4f} |" for t in rows)]
 
 
+def stated_qlora_8b() -> list[str]:
+    """The GPU check's 8B part, its dry run on the simulated h100-80gb: what a card's run will be held to."""
+    result = bench("gpu_check-qlora_8b-h100-80gb-simulated")["qlora_8b"]
+    memory = {(r["side"], r["seq_len"]): r["simulated_bytes"] for r in result["memory"]}
+    [speed] = result["speed"]
+    return [f"| patched | {gib(memory['patched', 65536])} GiB | {gib(memory['patched', 131072])} GiB | "
+            f"{gib(memory['patched+offload', 262144])} GiB | {speed['simulated_seconds']:.3f} s (the clock) |"]
+
+
 def stated_stride() -> list[str]:
     """--checkpoint_stride 2 without offload (`llama-3.1-8b-qlora-stride2-h100.json`) beside every checkpoint kept (the
     speed table's rows, and the QLoRA sweep's --find_max)."""
@@ -494,7 +503,7 @@ def stated() -> list[str]:
     aside): tests/test_readme_figures.py asserts the README or a docs/ page has every one. The sentences stay the
     pages': a figure that changes is fixed there by hand, as the failing test prints it."""
     return (stated_cpu() + stated_simulated() + stated_gpu() + stated_gpu_context() + stated_sequence_parallel()
-            + stated_clock() + stated_stride() + stated_many_gpus_speed())
+            + stated_clock() + stated_stride() + stated_many_gpus_speed() + stated_qlora_8b())
 
 
 def stated_clock() -> list[str]:

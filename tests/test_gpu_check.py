@@ -51,7 +51,7 @@ def dry_run(tmp_path_factory):
 def test_dry_run_has_every_part(dry_run):
     report, table, seconds = dry_run
     assert report["parts_done"] == ["environment", "clock", "memory", "speed", "cuda_tier", "max_context"]
-    assert report["time_budget_s"] == DRY_RUN_BUDGET and report["trainer"] is None
+    assert report["time_budget_s"] == DRY_RUN_BUDGET and report["trainer"] is None and report["qlora_8b"] is None
     assert not report["clock"]["ok"] and "real device" in report["clock"]["error"]
     assert report["gpu_check"] == "simulated h100-80gb" and report["card"] == "h100-80gb"
     env = report["environment"]
@@ -84,11 +84,18 @@ def test_dry_run_memory_rows_are_the_simulation_on_both_paths(dry_run):
 
 def test_dry_run_speed_rows_say_what_ran(dry_run):
     rows = dry_run[0]["speed"]
-    ran = [r for r in rows if r["side"] != gpu_check.PEER]
+    ran = [r for r in rows if r["side"] not in (gpu_check.PEER, "unsloth")]
     assert ran and all(r["ok"] and r["simulated"] and r["seconds_per_step"] is None for r in ran)
     assert {r["seq_len"] for r in ran if r["side"] == "patched"} >= set(gpu_check.LONG_LENGTHS)
     peer = [r for r in rows if r["side"] == gpu_check.PEER]
-    assert len(peer) == 4 and all(not r["ok"] and "Triton" in r["error"] for r in peer)
+    assert all(not r["ok"] and "Triton" in r["error"] for r in peer)
+    # the peer at every length the check times, and on the 4-bit base as the 4-bit patched row (like for like)
+    assert sorted((r["seq_len"], r["bits"]) for r in peer) == sorted(
+        [(n, 16) for n in gpu_check.MEMORY_LENGTHS + gpu_check.LONG_LENGTHS] + [(gpu_check.FOUR_BIT_LENGTH, 4)])
+    unsloth = [r for r in rows if r["side"] == "unsloth"]
+    assert [(r["ok"], r["error"]) for r in unsloth] == [(False, gpu_check.UNSLOTH_NOT_RUN)]
+    assert any(line.split()[:3] == ["unsloth", "4-bit", "8192"] and line.endswith(gpu_check.UNSLOTH_NOT_RUN)
+               for line in dry_run[1].splitlines())
 
 
 def test_dry_run_profiles_one_step_per_side(dry_run):
@@ -182,7 +189,7 @@ def _dry_run_of_parts(tmp_path, *parts) -> tuple[dict, list]:
 
 def test_only_the_parts_asked_for_run(tmp_path):
     """--gpu_check_parts: the environment, then the parts named, none other started (no cell, no simulation); the
-    time each keeps for the later parts counts only those that run (all seven: 760 s after the clock)."""
+    time each keeps for the later parts counts only those that run (all eight: 1,000 s after the clock)."""
     from types import SimpleNamespace
 
     report, asked = _dry_run_of_parts(tmp_path, "clock")
@@ -190,9 +197,10 @@ def test_only_the_parts_asked_for_run(tmp_path):
 
     def reserve(part, parts):
         return gpu_check.Check.reserve_after(SimpleNamespace(args=SimpleNamespace(gpu_check_parts=parts)), part)
-    assert reserve("clock", gpu_check.PARTS) == 760 and reserve("cuda_tier", gpu_check.PARTS) == 410
-    assert reserve("speed", ["speed", "max_context"]) == 50 and reserve("max_context", gpu_check.PARTS) == 365
-    assert reserve("trainer", gpu_check.PARTS) == 5 and report["time_budget_s"] == gpu_check.BUDGET_SECONDS
+    assert reserve("clock", gpu_check.PARTS) == 1000 and reserve("cuda_tier", gpu_check.PARTS) == 650
+    assert reserve("speed", ["speed", "max_context"]) == 50 and reserve("max_context", gpu_check.PARTS) == 605
+    assert reserve("trainer", gpu_check.PARTS) == 245 and reserve("qlora_8b", gpu_check.PARTS) == 5
+    assert report["time_budget_s"] == gpu_check.BUDGET_SECONDS
 
 
 def test_the_decode_part_runs_when_named_and_says_why_not_on_a_simulated_card(tmp_path):

@@ -10,10 +10,11 @@ On a simulated device the same code runs on fake tensors: bytes from the tracker
 so a dry run executes what a GPU run does; compile stays off there: nothing can compile fake CUDA tensors).
 
 `layers` below the depth: each length runs at `layers` and `layers` + 1 layers and the byte counts are extended to
-the depth (simulate.extrapolated_to_depth, as --simulate --layers does): a long length's memory without paying
-its whole step. `stop_at_first_failure` and `deadline` (epoch seconds) make it the max-context search: lengths in
-increasing order, stop at the first that fails or does not fit `usable_bytes`, and skip a length whose predicted
-time (the last cell's scaled by the square of the length ratio: attention's cost) would pass the deadline.
+the depth (simulate.extrapolated_to_depth, as --simulate --layers does), the measured seconds too where both steps
+were timed (timed_to_depth): a long length's memory, or a large model's step time, without paying its whole step.
+`stop_at_first_failure` and `deadline` (epoch seconds) make it the max-context search: lengths in increasing order,
+stop at the first that fails or does not fit `usable_bytes`, and skip a length whose predicted time (the last cell's
+scaled by the square of the length ratio: attention's cost) would pass the deadline.
 Every finished cell is also written to result_path + ".partial": a worker killed at its timeout keeps them.
 """
 from __future__ import annotations
@@ -241,7 +242,8 @@ def _one_length(models: _Models, spec: dict, seq_len: int, depth: int, layers: i
         step = _cell(models, spec, seq_len, layers, real)
         if layers != depth and "peak_bytes" in step:  # bytes to extend; a timed-only cell is the `layers` step
             more = _cell(models, spec, seq_len, layers + period, real)
-            step = {**step, **extrapolated_to_depth(step, more, layers, depth, period)}
+            step = {**step, **extrapolated_to_depth(step, more, layers, depth, period),
+                    **timed_to_depth(step, more, layers, depth, period)}
     except Exception as error:  # an out-of-memory (or any) failure is this cell's result; the worker goes on
         models.free()
         text = (str(error).strip().splitlines() or [""])[0][:300]
@@ -252,6 +254,22 @@ def _one_length(models: _Models, spec: dict, seq_len: int, depth: int, layers: i
         peak = row.get("cuda_peak_bytes", row["peak_bytes"])
         row["fits"] = None if spec.get("usable_bytes") is None else peak <= spec["usable_bytes"]
     return row
+
+
+def timed_to_depth(step: dict, more: dict, layers: int, depth: int, period: int) -> dict:
+    """The measured seconds of a step with `depth` layers from the timed steps at `layers` and `layers` + `period`
+    (a + b L, as the bytes: each layer adds its forward, recompute and backward); {} where either was not timed (a
+    simulated card times nothing). The allocator's timed peak is extended too; each depth's median stays beside."""
+    if not (step.get("seconds_per_step") and more.get("seconds_per_step")):
+        return {}
+    grow = (depth - layers) // period
+    seconds = step["seconds_per_step"] + (more["seconds_per_step"] - step["seconds_per_step"]) * grow
+    peak = step["timed_peak_bytes"] + (more["timed_peak_bytes"] - step["timed_peak_bytes"]) * grow
+    tokens = step["tokens_per_second"] * step["seconds_per_step"]
+    return {"seconds_per_step": seconds, "tokens_per_second": tokens / seconds, "timed_peak_bytes": peak,
+            "step_seconds_each": None,
+            "seconds_by_layers": {str(layers): step["seconds_per_step"],
+                                  str(layers + period): more["seconds_per_step"]}}
 
 
 def run_cells(spec: dict) -> dict:

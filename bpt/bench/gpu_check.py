@@ -11,8 +11,9 @@ its time limit keeps what finished:
      (--simulate's code path, run on the CPU cores beside the GPU work);
   c. speed: median seconds per step and tokens per second of the same cells (1 warm-up, 3 synchronised steps,
      the patch compiled as users get it), patched at 64K and 128K, and Liger-Kernel's patch on the same lengths
-     as the peer on the same card; at 8K one more step under torch.profiler: kernels launched and GPU time by
-     kind (matmul, attention, memory-bound, copies) against the step's wall time;
+     as the peer on the same card (and on the same 4-bit base at 8K); Unsloth's row says in one line why it does not
+     run; at 8K one more step under torch.profiler: kernels launched and GPU time by kind (matmul,
+     attention, memory-bound, copies) against the step's wall time;
   d. the CUDA tier: `python -m pytest -m cuda` in the checkout, its counts and each failure's text
      (DIR/cuda_tier.log);
   e. the longest context that fits this card, patched and patched+offload: doubling from 64K, each length stepped
@@ -24,7 +25,10 @@ its time limit keeps what finished:
   g. trainer: `python -m train.qlora` itself on the card, end to end (bpt.bench.trainer_check): the bundled tiny llama
      extended 64x to 16,384 tokens, passkey before and after, a SIGTERM and --resume_from_checkpoint latest against an
      uninterrupted run, --merge, the preflight's line and its one-line refusal of an absurd length; ~4 minutes, run
-     when named (--gpu_check_parts trainer: the default parts take a lent card's command as it is).
+     when named (--gpu_check_parts trainer: the default parts take a lent card's command as it is);
+  h. qlora_8b: the headline model, Llama-3.1-8B shapes in 4-bit QLoRA, 2 and 3 layers extended to 32: the peak at
+     64K and 128K (and with offload at 256K) beside the simulation's, seconds per step at 16K beside the clock's
+     (bpt.bench.qlora_8b_check); run when named.
 With --simulate CARD every part runs on that simulated card instead (the dry run CI runs): "measured" bytes are
 then the tracker's on fake tensors, timings are absent, and the Liger rows say why they did not run.
 The time budget (--time_budget) is shared out so the later parts keep their turn: a part that would eat into the
@@ -45,8 +49,10 @@ from pathlib import Path
 
 from bpt.bench.cuda_tier import run_cuda_tier
 from bpt.bench.decode_check import part_decode
+from bpt.bench.gpu_check_rows import memory_row, speed_row
 from bpt.bench.gpu_check_table import format_table
 from bpt.bench.models import PEER, resolve_model_config
+from bpt.bench.qlora_8b_check import part_qlora_8b
 from bpt.bench.simulate import longest_fitting
 from bpt.bench.trainer_check import part_trainer
 from bpt.gpusim.gpus import DEVICES, GIB, RESERVE_BYTES
@@ -64,17 +70,22 @@ MAX_CONTEXT_SIDES = ("patched", "patched+offload")
 MAX_CONTEXT_START = 65536
 FIND_MAX_RESOLUTION = 8192  # the simulation's bisection on the card, in tokens
 SIM_LAYERS = 2  # the simulated rows run 2 and 3 layers and extend the (linear) bytes to the depth
-PARTS = ("clock", "memory", "speed", "cuda_tier", "max_context", "decode", "trainer")  # in order, after the environment
+# in order, after the environment
+PARTS = ("clock", "memory", "speed", "cuda_tier", "max_context", "decode", "trainer", "qlora_8b")
 # The least seconds each part keeps for itself out of the check's budget: a running part leaves the later ones theirs.
 PART_SECONDS = {"clock": 20, "memory": 100, "speed": 100, "cuda_tier": 150, "max_context": 45, "decode": 120,
-                "trainer": 240}
-# Decode and the trainer run when named: their minutes beside the others' 8 would not fit one command of a lent
+                "trainer": 240, "qlora_8b": 240}
+# Decode, the trainer and the 8B run when named: their minutes beside the others' 8 would not fit one command of a lent
 # card's session.
-WHEN_NAMED = ("decode", "trainer")
+WHEN_NAMED = ("decode", "trainer", "qlora_8b")
 DEFAULT_PARTS = tuple(part for part in PARTS if part not in WHEN_NAMED)
 BUDGET_SECONDS = 480.0  # the default --time_budget
 TRAINER_ALONE_SECONDS = 300.0  # ... for --gpu_check_parts trainer alone
 END_SECONDS = 5  # writing the report
+# Unsloth's row says why it does not run (docs/benchmark.md has the probe's figures and Unsloth's published ones)
+UNSLOTH_NOT_RUN = ("not run: the check has no Unsloth side: its torch.compile warm-up (~5 minutes, by its docs) would "
+                   "not fit a lent card's 15 minutes beside the check, and its wheel (27 MiB) travels only without its "
+                   "web UI (studio/)")
 CARDS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100-80gb"), ("L40S", "l40s-48gb"),
          ("4090", "rtx4090-24gb"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +156,7 @@ class Check:
                        "started": datetime.datetime.now().isoformat(timespec="seconds"), "model": args.model,
                        "lora_r": LORA_R, "time_budget_s": args.time_budget, "parts_done": [],
                        "environment": None, "clock": None, "memory": [], "speed": [], "cuda_tier": None, "max_context": None,
-                       "decode": None, "trainer": None}
+                       "decode": None, "trainer": None, "qlora_8b": None}
         workers = max(1, min(8, (os.cpu_count() or 2) - 2))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
 
@@ -174,9 +185,9 @@ class Check:
                 "lora_targets": None, "lora_dropout": 0.0, "bpt": asdict(self.args.bpt), "malloc": "default",
                 "seed": self.args.seed, "top": 5, **extra}
 
-    def simulated(self, side: str, seq_len: int, bits: int = 16) -> concurrent.futures.Future:
+    def simulated(self, side: str, seq_len: int, bits: int = 16, **extra) -> concurrent.futures.Future:
         """The simulation's row of a cell, on a CPU worker in the background."""
-        spec = self.spec(side, bits, task="simulate", seq_len=seq_len, layers=SIM_LAYERS, threads=1)
+        spec = self.spec(side, bits, task="simulate", seq_len=seq_len, layers=SIM_LAYERS, threads=1, **extra)
         return self.pool.submit(lambda: self.runner(spec, self.until_deadline()))
 
     def until_deadline(self) -> float:
@@ -197,38 +208,6 @@ class Check:
             state = "ok" if row["ok"] else f"FAILED: {row['error']}"
             print(f"[gpu_check]   {side:15s} {row['seq_len']:>8d}  {state}", flush=True)
         return rows
-
-
-def _memory_row(side: str, bits: int, cell: dict, simulated: dict, real: bool) -> dict:
-    row = {"side": side, "seq_len": cell["seq_len"], "bits": bits, "ok": cell["ok"] and simulated.get("ok", False),
-           "measured": real, "simulated_bytes": simulated.get("peak_bytes"),
-           "simulated_step_bytes": simulated.get("step_bytes"), "measured_bytes": None, "measured_step_bytes": None,
-           "tracker_bytes": cell.get("peak_bytes"), "loss": cell.get("loss"), "quantiser": None,
-           "attention_paths": cell.get("attention_paths")}
-    if bits == 4:
-        row["quantiser"] = cell.get("quantiser")
-    if cell["ok"]:
-        row["measured_bytes"] = cell["cuda_peak_bytes"] if real else cell["peak_bytes"]
-        row["measured_step_bytes"] = cell["cuda_step_bytes"] if real else cell["step_bytes"]
-    if row["measured_bytes"] and row["simulated_bytes"]:
-        row["measured_over_simulated"] = row["measured_bytes"] / row["simulated_bytes"]
-    errors = [e for e in (cell.get("error"), simulated.get("error")) if e]
-    if errors:
-        row["error"] = "; ".join(errors)
-    return row
-
-
-def _speed_row(side: str, bits: int, cell: dict, real: bool) -> dict:
-    row = {"side": side, "seq_len": cell["seq_len"], "bits": bits, "ok": cell["ok"], "simulated": not real,
-           "seconds_per_step": cell.get("seconds_per_step"), "tokens_per_second": cell.get("tokens_per_second"),
-           "steps": cell.get("timed_steps"), "step_seconds_each": cell.get("step_seconds_each"),
-           "warmup_seconds": cell.get("warmup_seconds"), "peak_bytes": cell.get("timed_peak_bytes"),
-           "loss": cell.get("timed_loss"), "profile": cell.get("profile"),
-           # the clock's prediction of the tracked (eager) step: beside the measured one, what recalibrates it
-           "predicted_seconds": cell.get("step_seconds"), "predicted_kernel_launches": cell.get("kernel_launches")}
-    if not cell["ok"]:
-        row["error"] = cell["error"]
-    return row
 
 
 def part_environment(check: Check) -> None:
@@ -257,26 +236,29 @@ def part_memory(check: Check, sims: dict) -> None:
         for cell in check.cells(side, lengths, "memory", bits, tracked=True, timed_steps=TIMED_STEPS,
                                 profile_lengths=PROFILE_LENGTHS):
             simulated = sims[side, cell["seq_len"], bits].result()
-            check.report["memory"].append(_memory_row(side, bits, cell, simulated, check.real))
-            check.report["speed"].append(_speed_row(side, bits, cell, check.real))
+            check.report["memory"].append(memory_row(side, bits, cell, simulated, check.real))
+            check.report["speed"].append(speed_row(side, bits, cell, check.real))
             check.save()
     check.save("memory")
 
 
 def part_speed(check: Check) -> None:
-    # the peer at the memory part's lengths first (like for like with the rows above), then the long ones
-    groups = [(PEER, MEMORY_LENGTHS), ("patched", LONG_LENGTHS), (PEER, LONG_LENGTHS)]
-    for side, lengths in groups:
+    # the peer at the memory part's lengths first (like for like with the rows above, 4-bit too), then the long ones
+    groups = [(PEER, MEMORY_LENGTHS, 16), (PEER, (FOUR_BIT_LENGTH,), 4), ("patched", LONG_LENGTHS, 16),
+              (PEER, LONG_LENGTHS, 16)]
+    for side, lengths, bits in groups:
         if side == PEER and not check.real:
             cells = [{"seq_len": n, "ok": False, "error": "not run: Liger-Kernel's Triton kernels need a real GPU"}
                      for n in lengths]
         elif check.left("speed") <= 0:
             cells = [{"seq_len": n, "ok": False, "error": "not run: the check's time budget"} for n in lengths]
         else:
-            cells = check.cells(side, lengths, "speed", tracked=False, timed_steps=TIMED_STEPS,
+            cells = check.cells(side, lengths, "speed", bits, tracked=False, timed_steps=TIMED_STEPS,
                                 deadline=check.deadline - check.reserve_after("speed"))
-        check.report["speed"].extend(_speed_row(side, 16, cell, check.real) for cell in cells)
+        check.report["speed"].extend(speed_row(side, bits, cell, check.real) for cell in cells)
         check.save()
+    check.report["speed"].append({"side": "unsloth", "seq_len": FOUR_BIT_LENGTH, "bits": 4, "ok": False,
+                                  "simulated": not check.real, "error": UNSLOTH_NOT_RUN})
     check.save("speed")
 
 
@@ -375,7 +357,7 @@ def run(args: argparse.Namespace, model_config: dict, runner) -> dict:
         runs = {"clock": lambda: part_clock(check), "memory": lambda: part_memory(check, sims),
                 "speed": lambda: part_speed(check), "cuda_tier": lambda: part_cuda_tier(check),
                 "max_context": lambda: part_max_context(check, find_max), "decode": lambda: part_decode(check),
-                "trainer": lambda: part_trainer(check)}
+                "trainer": lambda: part_trainer(check), "qlora_8b": lambda: part_qlora_8b(check, SIM_LAYERS)}
         for part in PARTS:
             if part in parts:
                 runs[part]()

@@ -57,6 +57,7 @@ def format_table(report: dict) -> str:
                              f"{sim.get('longest', sim.get('error'))}")
     lines += _decode_lines(report.get("decode"))
     lines += _trainer_lines(report.get("trainer"))
+    lines += _qlora_8b_lines(report.get("qlora_8b"))
     return "\n".join(lines)
 
 
@@ -72,6 +73,26 @@ def _decode_lines(rows: list | None) -> list[str]:
         lines.append(f"  {row['side']:15s} {row['tokens_per_s']:,.1f} tok/s ({row['new_tokens']} tokens after "
                      f"{row['prompt_tokens']}); first call {row['first_call_s']:.1f} s, graphs "
                      f"{row['graphs_first_call']} then {row['graphs_second_call']}")
+    return lines
+
+
+def _qlora_8b_lines(result: dict | None) -> list[str]:
+    """The 8B part (bpt.bench.qlora_8b_check) in short."""
+    if not result:
+        return []
+    lines = ["", f"8B QLoRA ({result['model']} shapes, {result['bits']}-bit, layers {result['layers']})"]
+    for r in result["memory"]:
+        ratio = f"x{r['measured_over_simulated']:.3f}" if r.get("measured_over_simulated") else r.get("error", "-")
+        lines.append(f"  memory {r['side']:15s} {r['seq_len']:>7d}  {_gib(r['measured_bytes'])} vs simulated "
+                     f"{_gib(r['simulated_bytes'])} GiB  {ratio}")
+    for r in result["speed"]:
+        if r["seconds_per_step"] is not None:
+            measured = f"{r['seconds_per_step']:.3f} s ({r['tokens_per_second']:,.0f} tok/s)"
+        else:
+            measured = r.get("error") or "ran on the simulated card: no timing"
+        predicted = "-" if r["simulated_seconds"] is None else f"{r['simulated_seconds']:.3f} s"
+        ratio = f"  x{r['measured_over_simulated']:.3f}" if r.get("measured_over_simulated") else ""
+        lines.append(f"  speed  {r['side']:15s} {r['seq_len']:>7d}  {measured} vs the clock {predicted}{ratio}")
     return lines
 
 
