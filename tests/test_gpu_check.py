@@ -93,9 +93,9 @@ def test_dry_run_speed_rows_say_what_ran(dry_run):
     assert sorted((r["seq_len"], r["bits"]) for r in peer) == sorted(
         [(n, 16) for n in gpu_check.MEMORY_LENGTHS + gpu_check.LONG_LENGTHS] + [(gpu_check.FOUR_BIT_LENGTH, 4)])
     unsloth = [r for r in rows if r["side"] == "unsloth"]
-    assert [(r["ok"], r["error"]) for r in unsloth] == [(False, gpu_check.UNSLOTH_NOT_RUN)]
-    assert any(line.split()[:3] == ["unsloth", "4-bit", "8192"] and line.endswith(gpu_check.UNSLOTH_NOT_RUN)
-               for line in dry_run[1].splitlines())
+    assert [(r["ok"], r["error"]) for r in unsloth] == [(False, gpu_check.UNSLOTH_ON_A_SIMULATED_CARD)]
+    assert any(line.split()[:3] == ["unsloth", "4-bit", "8192"]
+               and line.endswith(gpu_check.UNSLOTH_ON_A_SIMULATED_CARD) for line in dry_run[1].splitlines())
 
 
 def test_dry_run_profiles_one_step_per_side(dry_run):

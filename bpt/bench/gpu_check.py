@@ -11,9 +11,9 @@ its time limit keeps what finished:
      (--simulate's code path, run on the CPU cores beside the GPU work);
   c. speed: median seconds per step and tokens per second of the same cells (1 warm-up, 3 synchronised steps,
      the patch compiled as users get it), patched at 64K and 128K, and Liger-Kernel's patch on the same lengths
-     as the peer on the same card (and on the same 4-bit base at 8K); Unsloth's row says in one line why it does not
-     run; at 8K one more step under torch.profiler: kernels launched and GPU time by kind (matmul,
-     attention, memory-bound, copies) against the step's wall time;
+     as the peer on the same card (and on the same 4-bit base at 8K), and Unsloth's own QLoRA step at 8K where it is
+     installed (bpt.bench.unsloth_check); at 8K one more step under torch.profiler: kernels launched and GPU time
+     by kind (matmul, attention, memory-bound, copies) against the step's wall time;
   d. the CUDA tier: `python -m pytest -m cuda` in the checkout, its counts and each failure's text
      (DIR/cuda_tier.log);
   e. the longest context that fits this card, patched and patched+offload: doubling from 64K, each length stepped
@@ -82,10 +82,7 @@ DEFAULT_PARTS = tuple(part for part in PARTS if part not in WHEN_NAMED)
 BUDGET_SECONDS = 480.0  # the default --time_budget
 TRAINER_ALONE_SECONDS = 300.0  # ... for --gpu_check_parts trainer alone
 END_SECONDS = 5  # writing the report
-# Unsloth's row says why it does not run (docs/benchmark.md has the probe's figures and Unsloth's published ones)
-UNSLOTH_NOT_RUN = ("not run: the check has no Unsloth side: its torch.compile warm-up (~5 minutes, by its docs) would "
-                   "not fit a lent card's 15 minutes beside the check, and its wheel (27 MiB) travels only without its "
-                   "web UI (studio/)")
+UNSLOTH_ON_A_SIMULATED_CARD = "not run: Unsloth runs its own kernels, which a simulated card cannot"
 CARDS = (("H200", "h200-141gb"), ("H100", "h100-80gb"), ("A100", "a100-80gb"), ("L40S", "l40s-48gb"),
          ("4090", "rtx4090-24gb"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -257,9 +254,22 @@ def part_speed(check: Check) -> None:
                                 deadline=check.deadline - check.reserve_after("speed"))
         check.report["speed"].extend(speed_row(side, bits, cell, check.real) for cell in cells)
         check.save()
-    check.report["speed"].append({"side": "unsloth", "seq_len": FOUR_BIT_LENGTH, "bits": 4, "ok": False,
-                                  "simulated": not check.real, "error": UNSLOTH_NOT_RUN})
+    check.report["speed"].extend(speed_row("unsloth", 4, cell, check.real) for cell in unsloth_cells(check))
     check.save("speed")
+
+
+def unsloth_cells(check: Check) -> list[dict]:
+    """Unsloth's QLoRA step at the 4-bit rows' length (bpt.bench.unsloth_check), last: its compile may take the
+    time the part has left, and no more."""
+    if not check.real:
+        return [{"seq_len": FOUR_BIT_LENGTH, "ok": False, "error": UNSLOTH_ON_A_SIMULATED_CARD}]
+    if check.left("speed") <= 0:
+        return [{"seq_len": FOUR_BIT_LENGTH, "ok": False, "error": "not run: the check's time budget"}]
+    spec = {"task": "unsloth", "model_config": check.model_config, "bits": 4, "lora_r": LORA_R,
+            "seq_lens": [FOUR_BIT_LENGTH], "timed_steps": TIMED_STEPS, "seed": check.args.seed, "malloc": "default"}
+    print(f"[gpu_check] speed: unsloth 4-bit [{FOUR_BIT_LENGTH}] ...", flush=True)
+    result = check.runner(spec, max(30.0, check.left("speed") + 60))
+    return result.get("cells") or [{"seq_len": FOUR_BIT_LENGTH, "ok": False, "error": result.get("error", "not run")}]
 
 
 def part_cuda_tier(check: Check) -> None:

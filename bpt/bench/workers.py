@@ -51,6 +51,12 @@ def _decode(spec: dict) -> dict:
     return run_decode(spec)
 
 
+def _unsloth(spec: dict) -> dict:
+    from bpt.bench.unsloth_check import run_unsloth  # imports unsloth first in the process, as it asks
+
+    return run_unsloth(spec)
+
+
 def _rates(spec: dict) -> dict:
     from bpt.gpusim.rates import run_rates
 
@@ -58,7 +64,7 @@ def _rates(spec: dict) -> dict:
 
 
 TASKS = {"probe": run_probe, "train": run_training, "sp_train": run_sp_group, "simulate": _simulate,
-         "cells": _cells, "environment": _environment, "rates": _rates, "decode": _decode}
+         "cells": _cells, "environment": _environment, "rates": _rates, "decode": _decode, "unsloth": _unsloth}
 
 
 def worker_command(spec_path: str, spec: dict) -> list[str]:
