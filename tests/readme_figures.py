@@ -425,7 +425,7 @@ def many_gpus_block() -> str:
 # Llama-3.1-8B QLoRA + offload on simulated h100s: one bench run per layout with a --find_max (each its own
 # bisection), and two machines of eight at 1M tokens.
 MANY_GPUS_SPEED = [f"llama-3.1-8b-qlora-offload-{layout}-speed-h100"
-                   for layout in ("sp1", "sp8-ring", "sp8-ulysses", "sp16")]
+                   for layout in ("sp1", "sp8-ring", "sp8-ulysses", "sp16", "sp16-ring", "sp16-ulysses")]
 
 
 def many_gpus_speed_block() -> str:
@@ -471,7 +471,27 @@ def stated_many_gpus_speed() -> list[str]:
             f"Ring's {ring16['exchange']['exchange_seconds']:.1f} s of exchange still hides",
             f"its {x16['exposed_exchange_seconds']:.1f} s are exposed "
             f"({x16['exposed_exchange_seconds'] / ulysses16['step_seconds']:.1%} of the step)",
-            f"nearest: 345 tok/s per GPU against the {ring['tokens_per_second']:.0f} predicted here"]
+            f"nearest: 345 tok/s per GPU against the {ring['tokens_per_second']:.0f} predicted here",
+            *stated_two_machines_longest()]
+
+
+def stated_two_machines_longest() -> list[str]:
+    """Two machines of eight at their longest (`sp16-ring`, `sp16-ulysses`) against one machine's."""
+    def longest(layout: str) -> dict:
+        report = bench(f"llama-3.1-8b-qlora-offload-{layout}-speed-h100")
+        (found,) = report["find_max"].values()
+        return next(r for r in report["runs"] if r["seq_len"] == found["max_context_tokens"])
+    ring8, ulysses8, ring, ulysses = (longest(layout) for layout in ("sp8-ring", "sp8-ulysses", "sp16-ring",
+                                                                     "sp16-ulysses"))
+    twice = "exactly twice" if ring["seq_len"] == 2 * ring8["seq_len"] else "not twice"
+    return [f"ring {ring['seq_len']:,} tokens, {twice} one machine's ({ring['tokens_per_rank']:,} a rank",
+            f"Ulysses {ulysses['seq_len']:,} (bound by the host again: {gib(ulysses['host_peak_bytes'], 1)} GiB a GPU "
+            f"at {ulysses['tokens_per_rank']:,} tokens a rank, where one machine held "
+            f"{gib(ulysses8['host_peak_bytes'], 1)} at {ulysses8['tokens_per_rank']:,};",
+            f"Ring's {ring['exchange']['exchange_seconds']:.1f} s of exchange, over the network between the machines, "
+            f"still hides behind a {ring['step_seconds']:,.0f} s step "
+            f"({ring['exchange']['exposed_exchange_seconds']:.1f} s exposed); Ulysses' "
+            f"{ulysses['exchange']['exchange_seconds']:.1f} s wait."]
 
 
 def speed_block() -> str:
