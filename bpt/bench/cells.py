@@ -118,25 +118,34 @@ def _release(real: bool) -> None:
 def _timed(models: _Models, inputs: dict, count: int, real: bool, compile: bool | None) -> dict:
     """One warm-up and `count` measured steps with the patch as users run it; seconds only on a real GPU."""
     models.repatch(compile if real else False)
-    model, seconds, peaks, loss = models.model, [], [], None
-    for _ in range(1 + count if real else 1):  # fake tensors: one step runs the code, times would mean nothing
+    model = models.model
+    if not real:  # fake tensors: one step runs the code, times would mean nothing
         model.zero_grad(set_to_none=True)
-        if real:
+        training_step(model, inputs, autocast=True)
+        return {"timed_steps": count, "seconds_per_step": None, "tokens_per_second": None}
+    return timed_steps(model, lambda: training_step(model, inputs, autocast=True), count,
+                       inputs["input_ids"].numel(), cuda=True)
+
+
+def timed_steps(model, step, count: int, tokens: int, cuda: bool) -> dict:
+    """`step()` (a training step: forward, backward; -> the loss) once to warm up and `count` times measured,
+    synchronised on a GPU: the median seconds, tokens per second, the allocator's peak (GPU) and the last loss."""
+    seconds, peaks, loss = [], [], None
+    for _ in range(1 + count):
+        model.zero_grad(set_to_none=True)
+        if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        loss = training_step(model, inputs, autocast=True)
-        if real:
+        loss = step()
+        if cuda:
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated())
         seconds.append(time.perf_counter() - start)
-    n = inputs["input_ids"].numel()
-    if not real:
-        return {"timed_steps": count, "seconds_per_step": None, "tokens_per_second": None}
     median = statistics.median(seconds[1:])
     return {"timed_steps": count, "seconds_per_step": median, "step_seconds_each": seconds[1:],
-            "warmup_seconds": seconds[0], "tokens_per_second": n / median, "timed_peak_bytes": max(peaks[1:]),
-            "timed_loss": float(loss)}
+            "warmup_seconds": seconds[0], "tokens_per_second": tokens / median,
+            "timed_peak_bytes": max(peaks[1:]) if cuda else None, "timed_loss": float(loss)}
 
 
 # kernel name fragments -> the clock's categories (first match wins; the rest is memory-bound work)

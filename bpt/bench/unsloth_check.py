@@ -13,9 +13,8 @@ temporary folder. Unsloth is imported first in its process, as it asks, before t
 from __future__ import annotations
 
 import os
-import statistics
+import shutil
 import tempfile
-import time
 
 NOT_INSTALLED = "not run: unsloth is not installed here (python -m bpt.bench.gpu_wheels --unsloth packs it)"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -23,16 +22,23 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def run_unsloth(spec: dict) -> dict:
     """Worker task "unsloth": {"ok": True, "cells": [one timed row per length]} or {"ok": False, "error": ...}.
-    spec: model_config, bits (4 or 16), lora_r, seq_lens, timed_steps, seed, device ("cuda" on a card)."""
+    spec: model_config, bits (4 or 16), lora_r, seq_lens, timed_steps, seed (Unsloth places the model: the GPU)."""
     folder = tempfile.mkdtemp(prefix="bpt-unsloth-")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
     os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", os.path.join(folder, "compiled"))
     try:
-        from unsloth import FastLanguageModel  # first: it patches transformers as it is imported
-    except ImportError as error:  # not there, or there without what it imports (its one line says which)
-        missing = isinstance(error, ModuleNotFoundError) and error.name == "unsloth"
-        return {"ok": False, "error": NOT_INSTALLED if missing else f"not run: unsloth did not import: {error}"}
+        try:
+            from unsloth import FastLanguageModel  # first: it patches transformers as it is imported
+        except ImportError as error:  # not there, or there without what it imports (its one line says which)
+            missing = isinstance(error, ModuleNotFoundError) and error.name == "unsloth"
+            return {"ok": False, "error": NOT_INSTALLED if missing else f"not run: unsloth did not import: {error}"}
+        return _run(FastLanguageModel, spec, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the saved model: the check's 1B is 2.5 GB
+
+
+def _run(FastLanguageModel, spec: dict, folder: str) -> dict:
     import torch
 
     model_dir = save_model(spec, os.path.join(folder, "model"))
@@ -73,33 +79,25 @@ def save_model(spec: dict, folder: str) -> str:
 
 
 def _timed(model, spec: dict, seq_len: int) -> dict:
-    """One warm-up and `timed_steps` synchronised steps at `seq_len`: the median, tokens/s, peak and the loss."""
+    """One warm-up and `timed_steps` steps at `seq_len` (bpt.bench.cells.timed_steps), and how many adapter weights
+    the last one gave a gradient (every LoRA A and B: the step trained them)."""
     import torch
 
+    from bpt.bench.cells import timed_steps
+
     device = next(p.device for p in model.parameters())
-    cuda = device.type == "cuda"
     generator = torch.Generator().manual_seed(spec["seed"])
     ids = torch.randint(0, spec["model_config"]["vocab_size"], (1, seq_len), generator=generator).to(device)
-    seconds, peaks, loss = [], [], None
-    for _ in range(1 + spec["timed_steps"]):
-        model.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
+
+    def step() -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        if cuda:
-            torch.cuda.synchronize()
-            peaks.append(torch.cuda.max_memory_allocated())
-        seconds.append(time.perf_counter() - start)
-    median = statistics.median(seconds[1:])
-    trained = sum(1 for p in model.parameters() if p.requires_grad and p.grad is not None)
-    return {"timed_steps": spec["timed_steps"], "seconds_per_step": median, "step_seconds_each": seconds[1:],
-            "warmup_seconds": seconds[0], "tokens_per_second": seq_len / median,
-            "timed_peak_bytes": max(peaks[1:]) if cuda else None, "timed_loss": float(loss.detach()),
-            "adapters_with_gradients": trained}
+        return loss.detach()
+
+    row = timed_steps(model, step, spec["timed_steps"], seq_len, cuda=device.type == "cuda")
+    row["adapters_with_gradients"] = sum(1 for p in model.parameters() if p.requires_grad and p.grad is not None)
+    return row
 
 
 def _version() -> str | None:
