@@ -255,7 +255,7 @@ def _one_length(models: _Models, spec: dict, seq_len: int, depth: int, layers: i
                     **timed_to_depth(step, more, layers, depth, period)}
     except Exception as error:  # an out-of-memory (or any) failure is this cell's result; the worker goes on
         models.free()
-        text = (str(error).strip().splitlines() or [""])[0][:300]
+        text = first_line(error)
         oom = isinstance(error, torch.OutOfMemoryError) or "out of memory" in text
         return {**row, "ok": False, "error": ("out of memory: " if oom else f"{type(error).__name__}: ") + text}
     row.update(ok=True, **step)
@@ -263,6 +263,11 @@ def _one_length(models: _Models, spec: dict, seq_len: int, depth: int, layers: i
         peak = row.get("cuda_peak_bytes", row["peak_bytes"])
         row["fits"] = None if spec.get("usable_bytes") is None else peak <= spec["usable_bytes"]
     return row
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line, at most 300 characters: what a cell's row keeps of a failure."""
+    return (str(error).strip().splitlines() or [""])[0][:300]
 
 
 def timed_to_depth(step: dict, more: dict, layers: int, depth: int, period: int) -> dict:

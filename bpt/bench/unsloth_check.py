@@ -41,6 +41,8 @@ def run_unsloth(spec: dict) -> dict:
 def _run(FastLanguageModel, spec: dict, folder: str) -> dict:
     import torch
 
+    from bpt.bench.cells import first_line  # after unsloth: the cells import transformers
+
     model_dir = save_model(spec, os.path.join(folder, "model"))
     model, _ = FastLanguageModel.from_pretrained(model_dir, max_seq_length=max(spec["seq_lens"]),
                                                  dtype=torch.bfloat16, load_in_4bit=spec["bits"] == 4,
@@ -55,8 +57,7 @@ def _run(FastLanguageModel, spec: dict, folder: str) -> dict:
         try:
             cells.append({"seq_len": seq_len, "ok": True, **_timed(model, spec, seq_len)})
         except Exception as error:  # an out-of-memory (or any) failure is this length's row
-            text = (str(error).strip().splitlines() or [""])[0][:300]
-            cells.append({"seq_len": seq_len, "ok": False, "error": f"{type(error).__name__}: {text}"})
+            cells.append({"seq_len": seq_len, "ok": False, "error": f"{type(error).__name__}: {first_line(error)}"})
     return {"ok": True, "cells": cells, "unsloth": _version()}
 
 
