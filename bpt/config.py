@@ -39,6 +39,10 @@ class BPTConfig:
     offload_checkpoints: in training, keep the whole-sequence activations saved between forward and backward (the
         layer checkpoints, the final norm's and the loss's input) in host memory (patches/offload.py); needs
         gradient checkpointing.
+    offload_keep_last: with offload_checkpoints, how many of the tensors saved last stay on the device (the first the
+        backward needs: the loss's and the final norm's input, then the last layers' inputs), where the host cannot
+        hold them all: each keeps one [B, N, hidden] tensor on the device and frees as much host memory. 0 sends every
+        one; `--plan` and the bench's simulation choose it where a machine's host memory is over.
     checkpoint_stride: in training, keep one decoder layer's checkpointed input in every `checkpoint_stride` and
         remake the others from the one kept before them when the backward needs them (patches/checkpoint_stride.py):
         the checkpoints' device memory divided by the stride, for (stride - 1) / 2 more layer forwards per layer.
@@ -59,6 +63,7 @@ class BPTConfig:
     compile: bool | None = None
     eval_logits: bool = True
     offload_checkpoints: bool = False
+    offload_keep_last: int = 0
     checkpoint_stride: int = 1
     attention_once: bool | None = None
 
@@ -76,6 +81,13 @@ class BPTConfig:
         for field in ("eval_logits", "offload_checkpoints"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"BPT option {field} must be True or False, got {getattr(self, field)!r}")
+        keep = self.offload_keep_last
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"BPT option offload_keep_last must be an integer >= 0 (tensors left on the device), "
+                             f"got {keep!r}")
+        if keep and not self.offload_checkpoints:
+            raise ValueError("BPT option offload_keep_last keeps the last of the offloaded tensors on the device: it "
+                             "needs offload_checkpoints=True")
         stride = self.checkpoint_stride
         if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
             raise ValueError(f"BPT option checkpoint_stride must be an integer >= 1 (1: every layer checkpoint "

@@ -44,6 +44,7 @@ from patches.chunk_bytes import mlp_bytes_per_token, norm_bytes_per_token
 from patches.dequant_once import dequantising_once_forward, is_4bit_linear
 from patches.families import FAMILIES, Family, UnsupportedModelError, family_of
 from patches.lm_head import causal_lm_forward
+from patches.lora_forward import lora_epilogue_forward
 from patches.lora_inputs import input_cast_skipping_round_trips, is_lora_layer
 from patches.checkpoint_stride import strided_forward
 from patches.offload import offloading_forward
@@ -149,7 +150,8 @@ def apply_bpt_patch(model=None, **options) -> BPTPatchHandle:
     model, every supported causal LM loaded afterwards through `from_pretrained` / `from_config`.
 
     Options: q_block, kv_block, mlp_chunk, loss_chunk, norm_chunk (tokens), compile (None = auto),
-    offload_checkpoints (layer checkpoints in host memory; needs gradient checkpointing), checkpoint_stride (one
+    offload_checkpoints (layer checkpoints in host memory; needs gradient checkpointing; offload_keep_last: how many
+    of the last saved stay on the device), checkpoint_stride (one
     layer checkpoint kept in that many, the others remade in backward). With labels
     the patched model returns the loss and `logits=None`: full logits are never materialised.
 
@@ -195,6 +197,9 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     empty_rows = stock_empty_rows(hf_model.config._attn_implementation)
     patched_attention = 0
     layer_inputs = []  # per decoder layer: its input's first reader and the module called after its last read
+    for module in filter(is_lora_layer, hf_model.modules()):  # first: the attention's chunked projections wrap it
+        if "forward" not in vars(module):  # peft's own (not another library's wrapper, e.g. accelerate's hooks)
+            handle.set(module, "forward", lora_epilogue_forward(module))
     for layer in getattr(base, family.layers):
         # A hybrid row's recurrent layers have no attention module: left stock (Family.attention_of).
         attention = family.attention_of(layer)
@@ -242,7 +247,8 @@ def _patch_model(hf_model, family: Family, handle: BPTPatchHandle):
     handle.set(hf_model, "forward", keeping_forward(hf_model, hf_model.forward, config))
     if config.offload_checkpoints:
         text_config = hf_model.config.get_text_config() if hasattr(hf_model.config, "get_text_config") else hf_model.config
-        handle.set(hf_model, "forward", offloading_forward(hf_model, hf_model.forward, text_config.hidden_size))
+        handle.set(hf_model, "forward", offloading_forward(hf_model, hf_model.forward, text_config.hidden_size,
+                                                           config.offload_keep_last))
     if config.checkpoint_stride > 1:
         handle.set(hf_model, "forward", strided_forward(hf_model, hf_model.forward, config.checkpoint_stride))
     if type(hf_model) not in copyreg.dispatch_table:  # once per class; another library's reducer is left alone

@@ -17,6 +17,10 @@ model's forward move every such tensor to the host as it is saved, and back in b
   back when its backward runs, as that backward's own tensors (their memory takes the gradients).
 - on CPU (and in the simulation) the copy is a plain one, made when saved and undone when needed.
 - a long step's frozen input embedding and LM head wait on the host through the backward (patches/idle_weights.py).
+- where the host cannot hold them all, the last `keep_last` saved tensors stay on the device (BPTConfig
+  offload_keep_last): each goes to the host only once `keep_last` more have been saved, so those the forward saved
+  last, which the backward needs first (the loss's and final norm's inputs, then the last layers'), are never copied.
+  Each keeps one [B, N, hidden] tensor on the device and frees as much host memory; the planner chooses how many.
 transformers' `activation_checkpointing_enable(offload=True)` wraps each layer's checkpoint in torch's `save_on_cpu`:
 copies on the compute stream, no prefetch, and it skips the loss's and final norm's inputs. Values are copied, never
 converted: gradients are bitwise those of the run without offload.
@@ -38,12 +42,13 @@ PREFETCH_SHARE = 1 / 32
 
 
 class _Saved:
-    """One offloaded tensor: its host copy, and its device copy while it is on its way back."""
+    """One offloaded tensor: its host copy, and its device copy while it is on its way back; or, one of the last
+    `keep_last` saved, the tensor itself (`kept`) until the backward is past it."""
 
-    __slots__ = ("host", "device", "ready", "index", "copy")
+    __slots__ = ("host", "device", "ready", "index", "copy", "kept")
 
-    def __init__(self, host: torch.Tensor, index: int):
-        self.host, self.device, self.ready, self.index = host, None, None, index
+    def __init__(self, host: torch.Tensor | None, index: int, kept: torch.Tensor | None = None):
+        self.host, self.device, self.ready, self.index, self.kept = host, None, None, index, kept
         self.copy = None  # its bpt.host_copies.HostCopy, where the layers save it as that
 
 
@@ -51,8 +56,10 @@ class CheckpointOffload:
     """Pack / unpack hooks of one forward + backward. `tokens`: B * N; `width`: hidden size. Tensors of at least
     tokens x width elements whose leading dims are the tokens go to the host; everything else stays."""
 
-    def __init__(self, tokens: int, width: int, batch_and_length: tuple[int, int], idle: IdleWeights | None = None):
+    def __init__(self, tokens: int, width: int, batch_and_length: tuple[int, int], idle: IdleWeights | None = None,
+                 keep_last: int = 0):
         self.tokens, self.width, self.batch_and_length = tokens, width, batch_and_length
+        self.keep_last = keep_last  # the last saved stay on the device (module docstring)
         self.idle = idle  # weights away from the device until this backward ends
         self.saved: list[_Saved] = []
         self.stream = None  # CUDA side stream, made on the first real CUDA tensor
@@ -74,18 +81,25 @@ class CheckpointOffload:
         if self.embedding_packed is not None:  # the next layer's input: the first layer's forward is over
             self._hand_over_embedding_output()
         self.device = t.device
-        packed = _Saved(self._to_host(t), len(self.saved))
+        packed = _Saved(None, len(self.saved), kept=t)
         self.saved.append(packed)
         if self._saved_as_host_copy(t):
             packed.copy = HostCopy(functools.partial(self._fetched, packed))
             host_copies.register(t, packed.copy)
-        if self.embedding_output is not None:
+        if self.embedding_output is not None and self.embedding_packed is None:
             embedding = self.embedding_output()
             if embedding is not None and host_copies.same_values(embedding, t):
                 self.embedding_packed = packed
             else:
                 self.embedding_output = None
+        if len(self.saved) > self.keep_last:
+            self._send(self.saved[-1 - self.keep_last])
         return packed
+
+    def _send(self, packed: _Saved) -> None:
+        packed.host, packed.kept = self._to_host(packed.kept), None
+        if packed is self.embedding_packed and self.keep_last:  # (else the next pack hands it over)
+            self._hand_over_embedding_output()
 
     def embedding_hook(self, module, inputs, output):
         """A forward hook on the input embedding. transformers' `enable_input_require_grads` (on with every
@@ -106,6 +120,8 @@ class CheckpointOffload:
         reader, is done with it, points at its host copy: its device memory goes back at once, not when the forward
         ends (at the forward's peak it was one of the layer inputs alive). A later reader would get the values, on
         the host. Not for an output that requires grad (autograd may have saved it)."""
+        if self.embedding_packed.host is None:  # still one of the last saved, on the device: handed over when sent
+            return
         embedding, packed = self.embedding_output(), self.embedding_packed
         self.embedding_output = self.embedding_packed = None
         if embedding is None or embedding.requires_grad:
@@ -114,7 +130,8 @@ class CheckpointOffload:
 
     def largest_bytes(self) -> int:
         """The largest tensor moved to the host (a layer input), in bytes."""
-        return max((p.host.numel() * p.host.element_size() for p in self.saved), default=0)
+        return max((t.numel() * t.element_size() for p in self.saved for t in (p.host, p.kept) if t is not None),
+                   default=0)
 
     def unpack(self, packed):
         if self.idle is not None:  # the backward has begun: the weights come back when it ends
@@ -128,7 +145,8 @@ class CheckpointOffload:
         host_copies.spill_to(self if self.in_backward and packed.copy is not None else None)
         tensor = self._fetched(packed)
         for other in self.saved[packed.index + 1:]:  # layers whose backward is over: a copy a node never asked
-            if other.copy is not None:               # to release is not kept beside this layer's backward
+            other.kept = None                        # to release (or a kept tensor) is not kept beside this
+            if other.copy is not None:               # layer's backward
                 other.copy.device = None
         if packed.copy is not None:  # the layer's recompute saves it as the host copy too
             host_copies.register(tensor, packed.copy, users=False)
@@ -142,10 +160,14 @@ class CheckpointOffload:
 
     def _backward_done(self) -> None:
         self.in_backward = False
+        for packed in self.saved:
+            packed.kept = None
         host_copies.spill_to(None)
 
     def _fetched(self, packed: _Saved) -> torch.Tensor:
         """`packed` on the device, once the compute stream may read it."""
+        if packed.kept is not None:
+            return packed.kept
         self._fetch(packed)
         if packed.ready is not None:
             torch.cuda.current_stream().wait_event(packed.ready)
@@ -181,7 +203,7 @@ class CheckpointOffload:
         return host
 
     def _fetch(self, packed: _Saved) -> None:
-        if packed.device is not None:
+        if packed.device is not None or packed.kept is not None:
             return
         if self.stream is None:
             packed.device = packed.host.to(self.device, copy=True)
@@ -213,7 +235,7 @@ def checkpointed_without_reentrancy(model) -> bool:
     return bool(functions) and all(getattr(f, "keywords", {}).get("use_reentrant") is False for f in functions)
 
 
-def offloading_forward(model, original, width: int):
+def offloading_forward(model, original, width: int, keep_last: int = 0):
     """`model.forward` that runs `original` under a fresh CheckpointOffload when it trains (grad enabled, train
     mode), the frozen embeddings away from the device until its backward ends where the step is long (IdleWeights);
     refuses to train without gradient checkpointing (everything would be offloaded, very slowly)."""
@@ -232,7 +254,7 @@ def offloading_forward(model, original, width: int):
             raise RuntimeError("offload_checkpoints=True moves the layer checkpoints to host memory, and this model "
                                "trains without gradient checkpointing: call model.gradient_checkpointing_enable() "
                                "(train.qlora: drop --no_gradient_checkpointing) or patch without offload_checkpoints")
-        offload = CheckpointOffload(shape[0] * shape[1], width, shape, idle)
+        offload = CheckpointOffload(shape[0] * shape[1], width, shape, idle, keep_last)
         host_copies.spill_to(None)  # a backward that never ended (an error) spills no more
         embedding = model.get_input_embeddings() if checkpointed_without_reentrancy(model) else None
         leaf_cut = embedding.register_forward_hook(offload.embedding_hook) if embedding is not None else None

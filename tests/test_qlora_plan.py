@@ -317,7 +317,7 @@ def test_a_plan_over_the_machines_host_memory_does_not_fit(monkeypatch, capsys):
     host holds where the device would hold more. A stand-in step: 40 MiB of host memory a token of the rank's shard
     (8 ranks on one machine: 52,428 whole tokens fit 2,048 GiB), a device peak far under the card."""
     import train.run.plan as plan
-    from bpt.bench.simulate import host_memory
+    from bpt.bench.host_limit import host_memory
 
     def simulate(spec):
         share = spec["seq_len"] // spec["sequence_parallel"]
@@ -335,3 +335,29 @@ def test_a_plan_over_the_machines_host_memory_does_not_fit(monkeypatch, capsys):
                      r"\(bpt/gpusim/gpus.py MACHINES\): DOES NOT FIT", out)
     longest = int(re.search(r"^  longest  --max_seq_len (\d+) fits", out, re.M).group(1))
     assert longest <= (2048 << 30) // 8 // (40 << 20) * 8 < longest + RESOLUTION  # 52,428: 52,224 to 1K tokens
+
+
+def test_a_plan_over_the_machines_host_memory_keeps_the_last_tensors_on_the_device(monkeypatch, capsys):
+    """Where the offloaded bytes are over the machine's host memory, the simulation keeps the last saved tensors on
+    the device (bpt.bench.host_limit): the plan fits and names the flag. A stand-in step: 8 ranks of 8,192 tokens,
+    300 GiB of host memory a rank, each kept [tokens, 4096] tensor 64 MiB less of it and more on the device."""
+    import train.run.plan as plan
+    from bpt.bench.host_limit import host_memory, kept_where_the_host_is_over
+
+    def simulate(spec):
+        keep = spec["bpt"]["offload_keep_last"]
+        per_tensor = spec["seq_len"] // spec["sequence_parallel"] * 4096 * 2
+        host = (256 << 30) + (100 << 20) - keep * per_tensor
+        row = {"ok": True, "peak_bytes": (12 << 30) + keep * per_tensor, "trainable_params": 526_667_776,
+               "tokens_per_rank": spec["seq_len"] // spec["sequence_parallel"], "layers": 2, "depth": 32,
+               "extrapolated": True, "peak_holders": [], "host_peak_bytes": host}
+        row = {**row, **host_memory(spec, row["host_peak_bytes"])}
+        return kept_where_the_host_is_over(spec, row, simulate)
+
+    monkeypatch.setattr(plan, "simulate", simulate)
+    assert main(["--config", str(LLAMA_8B_64K), "--plan", "h100-80gb", "--offload_checkpoints",
+                 "--sequence_parallel", "8", "--max_seq_len", "65536"]) == 0
+    out = capsys.readouterr().out
+    assert _verdict(out).startswith("FITS")
+    assert "DOES NOT FIT" not in out and "with the last 2 saved tensors kept on the device: add --offload_keep_last 2" \
+        in out

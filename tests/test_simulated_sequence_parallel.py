@@ -111,7 +111,7 @@ def test_the_clock_prices_every_byte_sent_at_its_link(tmp_path, shim_library, pe
 def test_host_memory_is_the_machines():
     """A layout's offloaded bytes times its processes on one machine, against the machine's host memory: 8 ranks of
     an H100 node share 2 TB (256 GiB each); one process on it has all of it; --host_memory_per_machine overrides."""
-    from bpt.bench.simulate import host_memory
+    from bpt.bench.host_limit import host_memory
 
     gib = 1 << 30
     spec = {"simulate": "h100-80gb", "sequence_parallel": 8}
@@ -150,7 +150,7 @@ def test_find_max_per_layout_counts_the_whole_sequence(tmp_path):
 def test_find_max_stops_where_the_machines_host_memory_does(tmp_path):
     """A stand-in rank whose device holds any length but whose offloaded bytes (1 MiB a token of its shard, 8 ranks
     on a 2 TB machine: 256 GiB each) do not: the longest is the host's, and says so."""
-    from bpt.bench.simulate import host_memory
+    from bpt.bench.host_limit import host_memory
 
     def runner(spec):
         share = spec["seq_len"] // spec["sequence_parallel"]

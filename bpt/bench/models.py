@@ -166,8 +166,9 @@ def build_model(spec: dict, tp_group=None):
 
 def patch_options(spec: dict) -> dict:
     """apply_bpt_patch's options for the spec's patched side (patched+offload: the checkpoints on the host)."""
-    return {**spec["bpt"], "offload_checkpoints": spec["side"] == "patched+offload",
-            "checkpoint_stride": checkpoint_stride(spec)}
+    offload = spec["side"] == "patched+offload"
+    return {**spec["bpt"], "offload_checkpoints": offload, "checkpoint_stride": checkpoint_stride(spec),
+            "offload_keep_last": spec["bpt"].get("offload_keep_last", 0) if offload else 0}
 
 
 def checkpoint_stride(spec: dict) -> int:

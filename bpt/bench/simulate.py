@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from bpt.bench.host_limit import host_memory, kept_where_the_host_is_over
 from bpt.bench.models import PEER, checkpoint_stride, model_from_config, patch_options, quantise_with_bitsandbytes
 from bpt.bench.rank_share import model_tensors, rank_share
 from bpt.gpusim.gpus import device as simulated_device
@@ -353,22 +354,7 @@ def run_simulation(spec: dict) -> dict:
     row.update(host_memory(spec, row.get("host_peak_bytes")))
     if row.get("host_fits") is False:  # a layout is refused where the machine's host memory is over, too
         row["device_fits"], row["fits"] = row["fits"], False
-    return row
-
-
-def host_memory(spec: dict, host_peak_bytes: int | None) -> dict:
-    """The host memory a machine needs for this row's offloaded tensors: each process's host peak times the run's
-    processes on one machine (one per GPU, the machine's GPUs at most), against the machine's (bpt.gpusim.gpus
-    MACHINES, or spec["host_bytes_per_machine"]). {} for a device with no machine or nothing on the host."""
-    from bpt.gpusim.gpus import machine
-
-    box = machine(spec["simulate"], spec.get("gpus_per_machine"), spec.get("host_bytes_per_machine"))
-    if box is None or not host_peak_bytes:
-        return {}
-    processes = min(spec.get("sequence_parallel") or 1, box.gpus)
-    needed = host_peak_bytes * processes
-    return {"host_bytes_per_machine": needed, "host_memory_per_machine": box.host_bytes,
-            "processes_per_machine": processes, "host_fits": needed <= box.host_bytes}
+    return kept_where_the_host_is_over(spec, row, run_simulation)
 
 
 EXTENDED = ("peak_bytes", "before_bytes", "weight_bytes", "host_peak_bytes", "ops", "cuda_peak_bytes",

@@ -110,6 +110,8 @@ def _row_line(run: dict) -> str:
         if run.get("host_bytes_per_machine"):
             line += (f" ({run['host_bytes_per_machine'] / GIB:.0f} GiB per machine of "
                      f"{run['host_memory_per_machine'] / GIB:.0f}, {run['processes_per_machine']} processes)")
+        if run.get("offload_keep_last"):
+            line += f", the last {run['offload_keep_last']} saved kept on the device"
     if run.get("step_seconds"):
         idle = run["time_breakdown"]["launch_bound_idle"] / run["step_seconds"]
         line += (f"  predicted {run['step_seconds']:.3f} s/step ({run['tokens_per_second']:,.0f} tok/s, MFU "

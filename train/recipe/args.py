@@ -135,6 +135,10 @@ class BPTArguments:
     offload_checkpoints: bool = flag(False, "Keep the layer checkpoints in host memory (pinned, copied on a side "
                                      "stream, prefetched one layer ahead): device memory then no longer grows with "
                                      "layers x tokens; host memory does. Needs gradient checkpointing.")
+    offload_keep_last: int = flag(0, "With --offload_checkpoints, keep the last N saved tensors (the loss's and final "
+                                  "norm's inputs, then the last layers' inputs: the first the backward needs) on the "
+                                  "device: each keeps one [tokens, hidden] tensor there and frees as much host "
+                                  "memory. --plan says how many a machine's host memory needs.")
     checkpoint_stride: int = flag(1, "Keep one layer checkpoint in N on the device and run the layers before each "
                                   "other one forward again when the backward needs it: the checkpoints' memory / N, "
                                   "for (N - 1) / 2 more layer forwards per layer (2: about 1/8 of a step's time). "
@@ -429,6 +433,9 @@ def validate(args: Args) -> None:
         if args.fsdp or args.sequence_parallel > 1 or args.tensor_parallel > 1:
             raise UserError("--checkpoint_stride runs on one process or data parallel: drop it with --fsdp, "
                             "--sequence_parallel or --tensor_parallel (--offload_checkpoints works with them)")
+    if args.offload_keep_last < 0 or (args.offload_keep_last and not args.offload_checkpoints):
+        raise UserError(f"--offload_keep_last keeps the last N offloaded tensors on the device: it needs "
+                        f"--offload_checkpoints and N >= 0, got {args.offload_keep_last}")
     if args.offload_checkpoints and not (args.bpt and args.gradient_checkpointing):
         raise UserError("--offload_checkpoints moves the layer checkpoints to host memory: it needs --bpt and "
                         "gradient checkpointing (drop --no_gradient_checkpointing / --no_bpt)")

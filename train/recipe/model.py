@@ -238,6 +238,7 @@ def patch(model, args):
         # The recipe never reads logits of a labelled batch: evaluation stays O(N) memory as training is.
         return apply_bpt_patch(model, compile=args.bpt_compile, eval_logits=False,
                                offload_checkpoints=args.offload_checkpoints,
+                               offload_keep_last=args.offload_keep_last,
                                checkpoint_stride=args.checkpoint_stride, **options)
     except ValueError as error:  # impossible block sizes and the like
         raise UserError(f"cannot apply the BPT patch: {one_line(error)}") from None

@@ -177,8 +177,9 @@ def step_spec(args, config, seq_len: int, adapters: tuple, device: str | None = 
         "lora": True, "lora_r": args.lora_r, "lora_targets": adapters[0], "lora_dropout": args.lora_dropout,
         "modules_to_save": adapters[1], "batch_size": args.per_device_train_batch_size,
         "gradient_checkpointing": args.gradient_checkpointing,
-        "bpt": dataclasses.asdict(BPTConfig(**blocks, compile=args.bpt_compile, eval_logits=False,
-                                            checkpoint_stride=args.checkpoint_stride)),
+        "bpt": {**dataclasses.asdict(BPTConfig(**blocks, compile=args.bpt_compile, eval_logits=False,
+                                               checkpoint_stride=args.checkpoint_stride)),
+                "offload_keep_last": args.offload_keep_last},
         "layers": layers if depth > layers else None,
         "packed_documents": 2 if args.packing else 0, "top": 5, "malloc": "mmap", "threads": args.torch_threads,
     }

@@ -82,9 +82,12 @@ def host_machine_lines(row: dict) -> list[str]:
     if not row.get("host_bytes_per_machine"):
         return []
     n = row["processes_per_machine"]
+    kept = row.get("offload_keep_last")
     return [f"           {size(row['host_bytes_per_machine'])} per machine ({n} process{'es' if n > 1 else ''} of this "
             f"run on one) of the machine's {size(row['host_memory_per_machine'])} (bpt/gpusim/gpus.py MACHINES): "
-            + ("fits" if row["host_fits"] else "DOES NOT FIT")]
+            + ("fits" if row["host_fits"] else "DOES NOT FIT")
+            + (f" with the last {kept} saved tensors kept on the device: add --offload_keep_last {kept}"
+               if kept else "")]
 
 
 def time_lines(args, row: dict) -> list[str]:

@@ -1,0 +1,64 @@
+"""BPTConfig offload_keep_last (patches/offload.py): the last k tensors checkpoint offload saves stay on the device
+(the first the backward needs), every earlier one goes to the host; bitwise the gradients of the run without offload,
+whatever k."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from patches import apply_bpt_patch, offload
+from test_offload import assert_bitwise, checkpointed
+from test_patches import SMALL_BLOCKS, loss_and_grads, lora, make_batch
+from tiny_models import tiny_model
+
+
+class Sent:
+    """Per forward of CheckpointOffload: how many tensors were saved, and which went to the host by its end."""
+
+    def __init__(self, monkeypatch):
+        self.offloads = []
+        init = offload.CheckpointOffload.__init__
+        recorder = self
+
+        def recording_init(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            recorder.offloads.append(self)
+
+        monkeypatch.setattr(offload.CheckpointOffload, "__init__", recording_init)
+        self.at_backward = []
+        unpack = offload.CheckpointOffload.unpack
+
+        def recording_unpack(self, packed):
+            if not recorder.at_backward:  # the forward is over: what is on the host, what stayed
+                recorder.at_backward = [p.host is not None for p in self.saved]
+            return unpack(self, packed)
+
+        monkeypatch.setattr(offload.CheckpointOffload, "unpack", recording_unpack)
+
+
+@pytest.mark.parametrize("variant,keep", [("plain", 1), ("lora", 3), ("bf16_autocast", 2), ("lora", 99)])
+def test_the_last_saved_stay_and_the_gradients_are_bitwise(monkeypatch, variant, keep):
+    sent = Sent(monkeypatch)
+    model = tiny_model("llama")
+    if variant == "lora":
+        model = lora(model)
+    checkpointed(model)
+    resident = copy.deepcopy(model)
+    apply_bpt_patch(resident, **SMALL_BLOCKS)
+    apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True, offload_keep_last=keep)
+    inputs = make_batch("packed")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bf16_autocast"):
+        assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
+    saved = len(sent.at_backward)
+    assert saved >= model.config.num_hidden_layers + 1  # every layer's input, the final norm's (and the loss's)
+    kept = min(keep, saved)
+    assert sent.at_backward == [True] * (saved - kept) + [False] * kept
+
+
+def test_keeping_needs_offload_and_a_count():
+    with pytest.raises(ValueError, match="needs offload_checkpoints=True"):
+        apply_bpt_patch(tiny_model("llama"), offload_keep_last=2)
+    with pytest.raises(ValueError, match="offload_keep_last must be an integer >= 0"):
+        apply_bpt_patch(tiny_model("llama"), offload_checkpoints=True, offload_keep_last=-1)
