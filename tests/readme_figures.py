@@ -472,7 +472,16 @@ def stated_many_gpus_speed() -> list[str]:
             f"its {x16['exposed_exchange_seconds']:.1f} s are exposed "
             f"({x16['exposed_exchange_seconds'] / ulysses16['step_seconds']:.1%} of the step)",
             f"nearest: 345 tok/s per GPU against the {ring['tokens_per_second']:.0f} predicted here",
-            *stated_two_machines_longest()]
+            *stated_two_machines_longest(), *stated_kept_on_device()]
+
+
+def stated_kept_on_device() -> list[str]:
+    """Ulysses over eight at 8,388,608 tokens with the host's excess kept on the device (bpt/bench/host_limit.py)."""
+    (run,) = bench("llama-3.1-8b-qlora-offload-sp8-ulysses-8m-kept-h100")["runs"]
+    return [f"the last {run['offload_keep_last']} saved kept on the device, it fits: host "
+            f"{gib(run['host_peak_bytes'])} GiB a GPU ({run['host_bytes_per_machine'] / GIB:,.0f} GiB of the "
+            f"machine's {run['host_memory_per_machine'] / GIB:,.0f}), device peak {gib(run['peak_bytes'])} GiB, "
+            f"{run['step_seconds']:,.1f} s per step"]
 
 
 def stated_two_machines_longest() -> list[str]:
