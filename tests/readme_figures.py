@@ -227,11 +227,10 @@ def stated_simulated() -> list[str]:
     fits = {True: "fit", False: "do not"}
     biggest = max(h["bytes"] for h in offload["peak_holders"])
     offload_longest = bench("llama-3.1-8b-qlora-offload-h100")["find_max"]["patched+offload"]["max_context_tokens"]
-    many = bench("llama-3.1-8b-qlora-offload-sp8-h100")
-    many_longest = many["find_max"]["patched+offload sp8 ulysses"]["max_context_tokens"]
-    at = next(r for r in many["runs"] if r["seq_len"] == many_longest)
-    return [f"fits {many_longest:,} tokens (simulated: one GPU's peak {gib(at['peak_bytes'])} GiB, "
-            f"{gib(at['host_peak_bytes'], 0)} GiB of host memory per GPU",
+    (kept,) = bench("llama-3.1-8b-qlora-offload-sp8-ulysses-8m-kept-h100")["runs"]  # eight GPUs within the host
+    return [f"fits {kept['seq_len']:,} tokens within a 2 TiB machine's host memory (simulated: "
+            f"{gib(kept['host_peak_bytes'])} GiB of host memory and a {gib(kept['peak_bytes'])} GiB peak per GPU, the "
+            f"last {kept['offload_keep_last']} saved tensors kept on the device",
             f"bf16 [N, {hidden}] per layer: {floor:.0f} KiB per token over {layers} layers) plus one layer's working "
             f"set: {patched:.1f} KiB per token in all, {patched / floor:.2f}x that floor",
             f"(bf16 weights, 64K: {gib(bf16['peak_bytes'])} ->",
