@@ -62,3 +62,34 @@ def test_keeping_needs_offload_and_a_count():
         apply_bpt_patch(tiny_model("llama"), offload_keep_last=2)
     with pytest.raises(ValueError, match="offload_keep_last must be an integer >= 0"):
         apply_bpt_patch(tiny_model("llama"), offload_checkpoints=True, offload_keep_last=-1)
+
+
+@pytest.mark.cuda
+def test_cuda_kept_tensors_are_exact_and_hold_less_host_memory():
+    """On a GPU (side stream, pinned buffers): keeping the last 3 on the device gives bitwise the gradients of sending
+    every one, pins 3 fewer tensors, and holds them on the device instead (a higher peak)."""
+    from test_offload import deterministic_kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run `python -m pytest -m cuda` on a GPU machine)")
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_batch("plain", length=4096).items()}
+    results, pinned, peaks = {}, {}, {}
+    for keep in (0, 3):
+        torch.manual_seed(0)
+        model = checkpointed(lora(tiny_model("llama", hidden_size=1024, intermediate_size=2048, num_hidden_layers=6,
+                                             max_position_embeddings=8192))).cuda()
+        apply_bpt_patch(model, offload_checkpoints=True, offload_keep_last=keep)
+        sent = []
+        original = offload.CheckpointOffload._to_host
+        offload.CheckpointOffload._to_host = lambda self, t: sent.append(original(self, t)) or sent[-1]
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            with torch.autocast("cuda", dtype=torch.bfloat16), deterministic_kernels():
+                results[keep] = loss_and_grads(model, inputs)
+            peaks[keep] = torch.cuda.max_memory_allocated() - before
+        finally:
+            offload.CheckpointOffload._to_host = original
+        pinned[keep] = sum(t.is_pinned() for t in sent)
+    assert_bitwise(results[0], results[3])
+    assert pinned[0] - pinned[3] == 3 and peaks[3] > peaks[0], (pinned, peaks)
