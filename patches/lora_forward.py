@@ -8,7 +8,8 @@ cuBLAS (and the CPU's BLAS) adds alpha * h @ B.T to the base output in its accum
 in bf16, and the scale's backward falls on [N, r] and [r, out] instead of [N, out].
 
 Everything else is peft's own forward: a dropout that draws a mask, a variant (DoRA), a LoRA bias, merged or disabled
-adapters, a mixed batch's adapter_names, and adapters of another dtype than their input without autocast (fp32
+adapters, a mixed batch's adapter_names, a base that is not a linear layer, a lora_B whose weight is gathered by a hook
+when it is called (ZeRO-3), and adapters of another dtype than their input without autocast (fp32
 adapters on a bf16 base: peft rounds the adapter's output to bf16 before the add, which one GEMM cannot do; a GPU run
 trains under autocast, where the GEMM runs in the autocast dtype as peft's matmuls do).
 """
@@ -48,16 +49,26 @@ def _vanilla_adapters(layer, x: torch.Tensor) -> list[str] | None:
     forward then)."""
     if layer.disable_adapters or layer.merged or getattr(layer, "lora_embedding_A", None):  # an embedding's own
         return None
+    if not isinstance(layer.get_base_layer(), torch.nn.Linear):  # e.g. a router returning a tuple (Mixtral's gate)
+        return None
     names = [name for name in layer.active_adapters if name in layer.lora_A]
     for name in names:
         if name in getattr(layer, "lora_variant", {}) or not _is_identity(layer.lora_dropout[name]):
             return None
         lora_A, lora_B = layer.lora_A[name], layer.lora_B[name]
-        if not (type(lora_A) is type(lora_B) is torch.nn.Linear) or lora_B.bias is not None:
+        if not (type(lora_A) is type(lora_B) is torch.nn.Linear) or lora_B.bias is not None or not _plain(lora_B):
             return None
         if lora_A.weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             return None  # fp32 adapters on a bf16 base without autocast: peft rounds their output before the add
     return names
+
+
+def _plain(module: torch.nn.Module) -> bool:
+    """Whether `module`'s weight can be read without calling it: no hooks or wrapped forward that gather it first
+    (DeepSpeed ZeRO-3 partitions each module's weights and gathers them in its pre-forward hook; accelerate's offload
+    replaces the forward) and a whole 2-D matrix."""
+    return (not module._forward_pre_hooks and not module._forward_hooks and "forward" not in vars(module)
+            and module.weight.dim() == 2)
 
 
 def _is_identity(dropout) -> bool:

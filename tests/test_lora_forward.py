@@ -112,6 +112,20 @@ def test_peft_forward_where_the_adapter_is_not_plain(options):
         torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=1e-6)
 
 
+def test_a_lora_B_gathered_by_its_hooks_is_called_as_peft_calls_it():
+    """DeepSpeed ZeRO-3 partitions each module's weight and gathers it in a pre-forward hook: a lora_B with hooks is
+    called (peft's forward), never read directly."""
+    model = lora_llama()
+    apply_bpt_patch(model, **SMALL_BLOCKS)
+    called = []
+    for module in model.modules():
+        if hasattr(module, "lora_B") and len(module.lora_B):
+            module.lora_B["default"].register_forward_pre_hook(lambda m, args: called.append(m))
+    with Addmms() as counted:
+        loss_and_grads(model, make_batch("plain"))
+    assert counted.calls == 0 and len(called) >= adapted_layers(model)
+
+
 def test_fp32_adapters_on_a_bf16_base_without_autocast_are_peft():
     """peft rounds such an adapter's output to bf16 before adding it (the CPU default run's 4-bit layers): its own
     forward, so that run's committed figures stay what they were."""
