@@ -74,8 +74,9 @@ def test_the_committed_cpu_simulation_is_what_this_checkout_simulates(tmp_path):
 def test_the_longest_context_on_one_gpu_is_what_this_checkout_simulates(tmp_path):
     """The README's headline: the longest Llama-3.1-8B QLoRA context that fits one simulated H100 with checkpoint
     offload (`docs/bench/llama-3.1-8b-qlora-offload-h100.json`'s --find_max), simulated again at that length: the same
-    peak within 0.1%, still fitting (~1.5 min). Its peak sits in the attention's backward at a million tokens, where a
-    change that only shows at that length (two head groups' gradients alive at once: +1.4 GiB) would not fit."""
+    peak within 0.1%, still fitting (8-10 min beside the rest of the suite). Its peak sits in the attention's
+    backward at a million tokens, where a change that only shows at that length (two head groups' gradients alive at
+    once: +1.4 GiB) would not fit."""
     report = bench("llama-3.1-8b-qlora-offload-h100")
     (found,) = report["find_max"].values()
     n = found["max_context_tokens"]
