@@ -3,14 +3,12 @@
 whatever k."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from patches import apply_bpt_patch, offload
-from test_offload import assert_bitwise, checkpointed
-from test_patches import SMALL_BLOCKS, loss_and_grads, lora, make_batch
+from test_offload import assert_bitwise, assert_offload_bitwise, checkpointed
+from test_patches import loss_and_grads, lora, make_batch
 from tiny_models import tiny_model
 
 
@@ -41,16 +39,7 @@ class Sent:
 @pytest.mark.parametrize("variant,keep", [("plain", 1), ("lora", 3), ("bf16_autocast", 2), ("lora", 99)])
 def test_the_last_saved_stay_and_the_gradients_are_bitwise(monkeypatch, variant, keep):
     sent = Sent(monkeypatch)
-    model = tiny_model("llama")
-    if variant == "lora":
-        model = lora(model)
-    checkpointed(model)
-    resident = copy.deepcopy(model)
-    apply_bpt_patch(resident, **SMALL_BLOCKS)
-    apply_bpt_patch(model, **SMALL_BLOCKS, offload_checkpoints=True, offload_keep_last=keep)
-    inputs = make_batch("packed")
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "bf16_autocast"):
-        assert_bitwise(loss_and_grads(resident, inputs), loss_and_grads(model, inputs))
+    model = assert_offload_bitwise(variant, offload_keep_last=keep)
     saved = len(sent.at_backward)
     assert saved >= model.config.num_hidden_layers + 1  # every layer's input, the final norm's (and the loss's)
     kept = min(keep, saved)

@@ -38,11 +38,10 @@ def kept_where_the_host_is_over(spec: dict, row: dict, simulate: Callable[[dict]
         return row
     per_tensor = row["tokens_per_rank"] * spec["batch_size"] * spec["model_config"]["hidden_size"] \
         * (4 if spec.get("dtype") == "fp32" else 2)  # one [B, N, hidden] in the residual stream's dtype
-    keep = 0
+    layers, keep = spec.get("layers") or spec["model_config"]["num_hidden_layers"], 0
     for _ in range(ATTEMPTS):
         over = (row["host_bytes_per_machine"] - row["host_memory_per_machine"]) / row["processes_per_machine"]
         keep += math.ceil(over / per_tensor)
-        layers = spec.get("layers") or spec["model_config"]["num_hidden_layers"]
         row = simulate({**spec, "bpt": {**spec["bpt"], "offload_keep_last": keep}, "layers": max(layers, keep)})
         row["offload_keep_last"] = keep
         if row.get("host_fits") is not False:
